@@ -31,6 +31,7 @@ typedef struct {
   int ndims;
   const char *settings[32]; // --set KEY=VALUE, in order (lower.settings points here)
   const char *out, *weights, *batch, *data, *backend;
+  const char *text; // the model's text where it is not read from `file` (eval: the checkpoint's copy)
   const char *precision; // --precision, else the train section's
   const char *checkpoint; // --checkpoint, else the train section's
   int64_t steps;
@@ -366,6 +367,8 @@ static int parse_options(int argc, char **argv, Options *o) {
                      : c == 'X' ? &o->skip_nonfinite : &o->accumulate;
       if (!parse_int(optarg, dst) || *dst < (c == 'B' || c == 'A'))
         return usage_error("expected a count, got '%s'", optarg);
+      if (c == 'A' && *dst > CKPT_MAX_ACCUMULATE)
+        return usage_error("--accumulate takes at most 1048576 micro-batches a step, got '%s'", optarg);
       break;
     }
     case 1001:
@@ -935,7 +938,8 @@ static int cmd_build(const Options *o, Graph *g) {
 // The forward graph alone (validation loss, dropout off), or forward + backward without the
 // optimizer (the micro-batches of gradient accumulation), on the same back end.
 static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
-  Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &o->lower);
+  Graph *g = o->text ? mdl_compile_text_with(a, o->file, o->text, o->dims, o->ndims, &o->lower)
+                     : mdl_compile_file_with(a, o->file, o->dims, o->ndims, &o->lower);
   if (!g || g->loss < 0 || (grads && !autodiff(g, false)) || !apply_precision(o, g, !grads))
     return NULL;
   Options quiet = *o;
@@ -955,27 +959,32 @@ static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
 
 // OUT/run.json, one line: what the run compiled (`mdlc lab` reads it): the back end, the precision,
 // the kernels a step (the plan's steps), the arena, the device memory the engines hold, the
-// checkpoint line.
+// checkpoint line. Formatted in an arena, so a line of any length is written whole.
 static bool write_run_json(const char *dir, const Graph *g, const Engine *e, const Engine *eval, const Engine *micro,
                            const char *checkpoint) {
-  char path[PATH_MAX + 16], err[600], buf[2048], esc[1100];
-  size_t k = 0;
-  for (const char *c = checkpoint; *c && k + 2 < sizeof esc; c++) {
-    if (*c == '"' || *c == '\\')
-      esc[k++] = '\\';
-    esc[k++] = *c;
+  Arena *a = arena_new();
+  const char *text[2] = {g->model ? g->model : "", checkpoint};
+  char *esc[2];
+  for (int i = 0; i < 2; i++) { // (JSON strings: a quote and a backslash escaped)
+    char *q = esc[i] = arena_alloc(a, 2 * strlen(text[i]) + 1);
+    for (const char *c = text[i]; *c; c++) {
+      if (*c == '"' || *c == '\\')
+        *q++ = '\\';
+      *q++ = *c;
+    }
+    *q = 0;
   }
-  esc[k] = 0;
   int64_t device = e->device_bytes + (eval ? eval->device_bytes : 0) + (micro ? micro->device_bytes : 0);
-  int n = snprintf(buf, sizeof buf, "{\"model\":\"%s\",\"backend\":\"%s\",\"precision\":\"%s\",\"kernels\":%d,"
-                   "\"arena_bytes\":%lld,\"device_bytes\":%lld,\"checkpoint\":\"%s\"}\n", g->model ? g->model : "",
-                   e->name, g->train.precision, e->fusion ? e->fusion->nsteps : 0, (long long)e->arena_bytes,
-                   (long long)device, esc);
-  snprintf(path, sizeof path, "%s/run.json", dir);
-  if (rt_write_atomic(path, buf, (size_t)n, err, sizeof err))
-    return true;
-  fprintf(stderr, "%s: error: %s\n", path, err);
-  return false;
+  char *json = arena_printf(a, "{\"model\":\"%s\",\"backend\":\"%s\",\"precision\":\"%s\",\"kernels\":%d,"
+                            "\"arena_bytes\":%lld,\"device_bytes\":%lld,\"checkpoint\":\"%s\"}\n", esc[0], e->name,
+                            g->train.precision, e->fusion ? e->fusion->nsteps : 0, (long long)e->arena_bytes,
+                            (long long)device, esc[1]);
+  char *path = arena_printf(a, "%s/run.json", dir), err[600];
+  bool ok = rt_write_atomic(path, json, strlen(json), err, sizeof err);
+  if (!ok)
+    fprintf(stderr, "%s: error: %s\n", path, err);
+  arena_free(a);
+  return ok;
 }
 
 // A run option that decides the batches, given on the command line with another value than the
@@ -1002,45 +1011,43 @@ static bool resume_batch_order(Options *o) {
     return true; // (train_check_inputs says there is none to resume)
   Arena *a = arena_new();
   StFile f;
-  bool ok = st_read_header(a, path, &f);
-  const char *seed = ok ? st_meta(&f, "mdl.seed") : NULL, *shuffle = ok ? st_meta(&f, "mdl.shuffle") : NULL,
-             *pack = ok ? st_meta(&f, "mdl.pack") : NULL, *acc = ok ? st_meta(&f, "mdl.accumulate") : NULL;
-  char ours[64], taken[160] = "";
-  size_t nt = 0;
-  if (ok && seed) {
-    uint64_t s = strtoull(seed, NULL, 10);
-    snprintf(ours, sizeof ours, "--seed %llu", (unsigned long long)o->seed);
-    if (o->seed_set && o->seed != s)
-      ok = order_conflict(path, ours, "mdl.seed", seed, arena_printf(a, "--seed %s", seed), ours);
-    else if (!o->seed_set && s != o->seed)
-      nt += (size_t)snprintf(taken + nt, sizeof taken - nt, " --seed %s", seed);
-    o->seed = s;
+  CkptMeta meta;
+  bool ok = st_read_header(a, path, &f) && ckpt_meta_read(a, path, &f, &meta);
+  const char *seed = ok ? st_meta(&f, "mdl.seed") : NULL, *acc = ok ? st_meta(&f, "mdl.accumulate") : NULL;
+  const char *taken = ""; // (the options taken from the checkpoint, as a command line gives them)
+  if (ok && meta.has_seed) {
+    if (o->seed_set && o->seed != meta.seed)
+      ok = order_conflict(path, arena_printf(a, "--seed %llu", (unsigned long long)o->seed), "mdl.seed", seed,
+                          arena_printf(a, "--seed %s", seed), arena_printf(a, "--seed %llu", (unsigned long long)o->seed));
+    else if (!o->seed_set && meta.seed != o->seed)
+      taken = arena_printf(a, "%s --seed %s", taken, seed);
+    o->seed = meta.seed;
   }
-  if (ok && shuffle) {
-    bool s = !strcmp(shuffle, "true");
+  if (ok && meta.shuffle >= 0) {
+    bool s = meta.shuffle;
     if (o->shuffle_set && (o->shuffle_set > 0) != s)
-      ok = order_conflict(path, o->shuffle_set > 0 ? "--shuffle" : "--no-shuffle", "mdl.shuffle", shuffle,
+      ok = order_conflict(path, o->shuffle_set > 0 ? "--shuffle" : "--no-shuffle", "mdl.shuffle", s ? "true" : "false",
                           s ? "shuffled batches" : "batches in order", s ? "batches in order" : "shuffled batches");
     else if (!o->shuffle_set && s != o->shuffle)
-      nt += (size_t)snprintf(taken + nt, sizeof taken - nt, " %s", s ? "--shuffle" : "--no-shuffle");
+      taken = arena_printf(a, "%s %s", taken, s ? "--shuffle" : "--no-shuffle");
     o->shuffle = s;
   }
-  if (ok && pack) {
-    bool p = !strcmp(pack, "true");
+  if (ok && meta.pack >= 0) {
+    bool p = meta.pack;
     if (o->pack_set && p)
-      ok = order_conflict(path, "--no-pack", "mdl.pack", pack, "packed rows", "padded rows");
+      ok = order_conflict(path, "--no-pack", "mdl.pack", "true", "packed rows", "padded rows");
     else if (!p && o->pack)
-      nt += (size_t)snprintf(taken + nt, sizeof taken - nt, " --no-pack");
+      taken = arena_printf(a, "%s --no-pack", taken);
     o->pack = p;
   }
-  if (ok && acc) {
-    int64_t k = strtoll(acc, NULL, 10);
+  if (ok && meta.accumulate > 0) {
+    int64_t k = meta.accumulate;
     if (o->accumulate > 0 && o->accumulate != k)
       ok = order_conflict(path, arena_printf(a, "--accumulate %lld", (long long)o->accumulate), "mdl.accumulate",
                           acc, arena_printf(a, "%s micro-batches a step", acc),
                           arena_printf(a, "%lld micro-batches a step", (long long)o->accumulate));
     else if (o->accumulate <= 0 && k > 1)
-      nt += (size_t)snprintf(taken + nt, sizeof taken - nt, " --accumulate %s", acc);
+      taken = arena_printf(a, "%s --accumulate %s", taken, acc);
     o->accumulate = k;
   }
   if (ok && o->tokenize_on_the_fly && o->pack && o->shuffle) {
@@ -1049,13 +1056,13 @@ static bool resume_batch_order(Options *o) {
                     "resume it from the shards, without --tokenize-on-the-fly");
     ok = false;
   }
-  if (ok && (!shuffle || !pack || !acc))
+  if (ok && (meta.shuffle < 0 || meta.pack < 0 || meta.accumulate < 0))
     fprintf(stderr, "%s: warning: the checkpoint does not record its order of batches (written before checkpoints "
             "did): resuming with %s, %s rows and %s, as this command line says (today's defaults unless given)\n",
             path, o->shuffle ? "shuffled batches" : "batches in order", o->pack ? "packed" : "padded",
             o->accumulate > 0 ? arena_printf(a, "%lld micro-batches a step", (long long)o->accumulate)
                               : "the train section's accumulation");
-  if (ok && nt && !o->quiet)
+  if (ok && *taken && !o->quiet)
     printf("resuming with the checkpoint's%s\n", taken);
   arena_free(a);
   return ok;
@@ -1194,10 +1201,11 @@ static int cmd_run(const Options *o, Graph *g) {
   return rc;
 }
 
-// `mdlc eval CHECKPOINT --data DIR`: the checkpoint's model (its .mdl and dims as recorded, -D
-// overriding them) compiled forward only as run compiles its validation, the parameters from the
-// checkpoint, over the validation batches the run validated on (train_eval; the run's seed, and its
-// shuffling and packing where the checkpoint records them and the command line does not say).
+// `mdlc eval CHECKPOINT --data DIR`: the checkpoint's model (the .mdl text it stores, else the file
+// it names, as sample reads it; its dims as recorded, -D overriding them) compiled forward only as run
+// compiles its validation, the parameters from the checkpoint, over the validation batches the run
+// validated on (train_eval; the run's seed, and its shuffling and packing where the checkpoint records
+// them and the command line does not say).
 static int cmd_eval(const Options *o) {
   if (!o->data) {
     diag_file_error(o->file, "eval needs --data DIR: the shards made by `mdlc prep`, or the arrays, to validate on");
@@ -1206,16 +1214,13 @@ static int cmd_eval(const Options *o) {
   Arena *a = arena_new();
   StFile f;
   CheckpointModel m;
+  CkptMeta meta;
   int rc = EXIT_USER;
-  bool ok = st_read(a, o->file, &f) && checkpoint_model(a, o->file, &f, &m);
-  if (ok && access(m.source, R_OK) != 0) {
-    diag_file_error(o->file, "cannot read the checkpoint's model %s: %s (eval compiles that file; `mdlc sample` "
-                    "can use the copy the checkpoint stores)", m.source, strerror(errno));
-    ok = false;
-  }
+  bool ok = st_read(a, o->file, &f) && checkpoint_model(a, o->file, &f, &m) && ckpt_meta_read(a, o->file, &f, &meta);
   if (ok) {
     Options q = *o;
     q.file = m.source;
+    q.text = checkpoint_model_text(a, o->file, &m, "evaluating");
     q.ndims = 0;
     for (int i = 0; i < m.ndims + o->ndims; i++) {
       DimOverride d = i < m.ndims ? m.dims[i] : o->dims[i - m.ndims];
@@ -1230,17 +1235,25 @@ static int cmd_eval(const Options *o) {
       q.dims[k] = d;
       q.ndims += k == q.ndims;
     }
-    const char *seed = st_meta(&f, "mdl.seed"), *step = st_meta(&f, "mdl.step"),
-               *shuffle = st_meta(&f, "mdl.shuffle"), *pack = st_meta(&f, "mdl.pack");
-    q.seed = seed ? strtoull(seed, NULL, 10) : o->seed;
-    if (shuffle && !o->shuffle_set) // (the run's order of batches, as recorded, unless given)
-      q.shuffle = !strcmp(shuffle, "true");
-    if (pack && !o->pack_set)
-      q.pack = !strcmp(pack, "true");
-    Engine *e = open_side_engine(&q, a, false);
+    q.seed = meta.has_seed ? meta.seed : o->seed;
+    if (meta.shuffle >= 0 && !o->shuffle_set) // (the run's order of batches, as recorded, unless given)
+      q.shuffle = meta.shuffle;
+    if (meta.pack >= 0 && !o->pack_set)
+      q.pack = meta.pack;
+    // (the front end alone first: every parameter's shape is the checkpoint's before any is allocated)
+    Graph *g = q.text ? mdl_compile_text_with(a, q.file, q.text, q.dims, q.ndims, &q.lower)
+                      : mdl_compile_file_with(a, q.file, q.dims, q.ndims, &q.lower);
+    const char *prefix = arena_printf(a, "checkpoint does not match %s: ", m.source);
+    for (int k = 0; g && k < g->nparams; k++)
+      if (!st_expect(&f, o->file, prefix, g->nodes[g->params[k]]))
+        g = NULL;
+    if (g)
+      checkpoint_dims_note(o->file, &m, g, "evaluating");
+    Engine *e = g ? open_side_engine(&q, a, false) : NULL;
     if (e && load_weights_from(e, e->g, &f, o->file)) {
-      printf("evaluating %s (step %s of %s), back end %s, precision %s\n", o->file, step ? step : "?", m.source,
-             e->name, e->g->train.precision);
+      printf("evaluating %s (step %s of %s), back end %s, precision %s\n", o->file,
+             meta.step >= 0 ? arena_printf(a, "%lld", (long long)meta.step) : "?", m.source, e->name,
+             e->g->train.precision);
       TrainOptions to = {.model_path = m.source, .data_dir = o->data, .pack = q.pack, .shuffle = q.shuffle,
                          .seed = q.seed, .val_batches = o->val_batches, .arrays = arrays_found(o->data),
                          .val_fraction = o->prep.val_fraction};

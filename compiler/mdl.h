@@ -354,6 +354,7 @@ typedef struct {
 typedef struct {
   const char *name;
   int64_t value;
+  int64_t text_value; // a fixed dim set by -D: the value its own expression gives (else value)
 } DimBinding;
 
 typedef struct Graph {

@@ -2032,8 +2032,8 @@ static void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimO
   g->dims = arena_alloc(s->a, sizeof(DimBinding) * (size_t)(s->dims.n ? s->dims.n : 1));
   for (int i = 0; i < s->dims.n; i++) {
     Sym *d = s->dims.v[i];
-    Val v = sym_value(s, d, d->at);
-    g->dims[g->ndims++] = (DimBinding){d->name, v.kind == V_INT ? v.i : 0};
+    Val v = sym_value(s, d, d->at), own = d->overridden && d->decl->value ? eval(s, d->decl->value) : v;
+    g->dims[g->ndims++] = (DimBinding){d->name, v.kind == V_INT ? v.i : 0, own.kind == V_INT ? own.i : 0};
   }
   for (int i = 0; i < s->consts.n; i++) {
     Sym *c = s->consts.v[i];
@@ -2279,7 +2279,11 @@ static void train_config(Sema *s) {
       if (number(s, e, "clip", R_NONNEG, false, &x))
         t->clip = x;
     } else if (!strcmp(set->key, "accumulate")) {
-      if (number(s, e, "accumulate", R_POSITIVE, true, &x))
+      if (!number(s, e, "accumulate", R_POSITIVE, true, &x))
+        continue;
+      if (x > 1048576) // (as --accumulate and a checkpoint's mdl.accumulate)
+        error_at(s, e->at, "accumulate must be at most 1048576 micro-batches a step, got %g", x);
+      else
         t->accumulate = (int64_t)x;
     } else if (!strcmp(set->key, "amax_history")) { // (fp8: the steps each tensor's scale looks back on)
       if (!number(s, e, "amax_history", R_POSITIVE, true, &x))

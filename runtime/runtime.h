@@ -291,6 +291,28 @@ bool interp_run_nodes(Interp *it, int from, int end, char *err, size_t n);
 Engine *engine_cpu(const Fusion *f, const MemPlan *m, const char *source, uint64_t seed, char *err, size_t n);
 double engine_scalar(Engine *e, int node); // a rank-0 value (the loss, the grad norm)
 //
+// ckptmeta.c: a training checkpoint's metadata, parsed strictly and range-checked.
+//
+#define CKPT_FORMAT "mdl-checkpoint-1"
+#define CKPT_MAX_DIM 2147483647       // a dim's value in mdl.dims
+#define CKPT_MAX_STEP (INT64_C(1) << 53) // mdl.step
+#define CKPT_MAX_ACCUMULATE 1048576   // mdl.accumulate, as --accumulate and the train section
+// What a checkpoint records (the fields it lacks: NULL, -1 or false; older checkpoints lack some).
+typedef struct {
+  const char *source, *model, *dims_text, *tokenizer, *optimizer, *precision; // mdl.source ... (as stored)
+  const char *text, *tokenizer_base64; // the stored copies: mdl.source_text, mdl.tokenizer_base64
+  DimOverride *dims;                   // mdl.dims, each dim's value as trained
+  int ndims;
+  int64_t step, accumulate, fp8_recorded; // mdl.step, mdl.accumulate, mdl.fp8_recorded
+  bool has_seed, has_loader;
+  uint64_t seed;                         // mdl.seed
+  int64_t epoch, position;               // mdl.loader
+  int shuffle, pack;                     // mdl.shuffle, mdl.pack: 1, 0, or -1 (not recorded)
+} CkptMeta;
+// Reads every mdl.* field of f (the checkpoint at path) that is there into m (a's memory): false after
+// saying which field is bad and why, naming path; a checkpoint without mdl.format is no mdl checkpoint.
+bool ckpt_meta_read(Arena *a, const char *path, const StFile *f, CkptMeta *m);
+//
 // train.c: the training loop: shards (or their text) in, metrics, validation, checkpoints and resume, loss curve.
 //
 typedef struct {

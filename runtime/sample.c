@@ -73,47 +73,17 @@ static const char *need_meta(const char *path, const StFile *f, const char *key)
   return v;
 }
 
-// "NAME=VALUE,NAME=VALUE,..." into -D overrides, each value as recorded. False after printing why.
-static bool parse_dims(Arena *a, const char *path, const char *text, DimOverride **ov, int *nov) {
-  int cap = 1;
-  for (const char *p = text; *p; p++)
-    cap += *p == ',';
-  *ov = arena_alloc(a, sizeof **ov * (size_t)cap);
-  *nov = 0;
-  for (const char *p = text; *p;) {
-    const char *eq = strchr(p, '='), *comma = strchr(p, ',');
-    if (!comma)
-      comma = p + strlen(p);
-    char *end;
-    errno = 0;
-    long long v = eq && eq < comma ? strtoll(eq + 1, &end, 10) : 0;
-    if (!eq || eq >= comma || eq == p || end != comma || eq + 1 == comma || errno || v < 1) {
-      diag_file_error(path, "not an mdl checkpoint (mdl.dims '%s' is not NAME=VALUE,...)", text);
-      return false;
-    }
-    char *name = arena_alloc(a, (size_t)(eq - p) + 1);
-    memcpy(name, p, (size_t)(eq - p));
-    (*ov)[(*nov)++] = (DimOverride){name, v};
-    p = *comma ? comma + 1 : comma;
-  }
-  return true;
-}
-
 bool checkpoint_model(Arena *a, const char *path, const StFile *f, CheckpointModel *m) {
-  const char *format = st_meta(f, "mdl.format");
-  if (!format) {
-    diag_file_error(path, "not an mdl checkpoint (no mdl.format in its metadata)");
+  CkptMeta meta;
+  if (!ckpt_meta_read(a, path, f, &meta))
     return false;
-  }
-  if (strcmp(format, "mdl-checkpoint-1")) {
-    diag_file_error(path, "checkpoint format '%s' is not one this mdlc reads (mdl-checkpoint-1)", format);
-    return false;
-  }
   const char *source = need_meta(path, f, "mdl.source");
   const char *dims = source ? need_meta(path, f, "mdl.dims") : NULL;
   const char *tokenizer = dims ? need_meta(path, f, "mdl.tokenizer") : NULL;
-  if (!tokenizer || !parse_dims(a, path, dims, &m->dims, &m->ndims))
+  if (!tokenizer)
     return false;
+  m->dims = meta.dims;
+  m->ndims = meta.ndims;
   m->source = arena_strdup(a, source);
   m->tokenizer = arena_strdup(a, tokenizer);
   const char *text = st_meta(f, "mdl.source_text"), *tok = st_meta(f, "mdl.tokenizer_base64");
@@ -243,8 +213,31 @@ static char *read_text(Arena *a, const char *path) {
   return text;
 }
 
+const char *checkpoint_model_text(Arena *a, const char *path, const CheckpointModel *m, const char *doing) {
+  if (!m->text)
+    return NULL;
+  const char *disk = read_text(a, m->source);
+  if (disk && strcmp(disk, m->text))
+    fprintf(stderr, "%s: warning: %s differs from the model this checkpoint was trained with; %s with the copy "
+            "of that model stored in the checkpoint\n", path, m->source, doing);
+  return m->text;
+}
+
+void checkpoint_dims_note(const char *path, const CheckpointModel *m, const Graph *g, const char *doing) {
+  for (int i = 0; !m->text && i < g->ndims; i++) { // (the stored text with its dims is the run's own model)
+    const DimBinding *d = &g->dims[i];
+    for (int k = 0; k < m->ndims; k++)
+      if (d->value != d->text_value && !strcmp(m->dims[k].name, d->name) && m->dims[k].value == d->value)
+        fprintf(stderr, "%s: note: %s fixes dim %s = %lld; this checkpoint was trained with %s=%lld (given with "
+                "-D, or the model changed since), which %s uses\n", path, m->source,
+                d->name, (long long)d->text_value, d->name, (long long)d->value, doing);
+  }
+}
+
 // Reads the checkpoint (its own arena, dropped once the parameters are copied), then compiles and
-// checks its model: the text it stores, else the file it names.
+// checks its model: the text it stores, else the file it names; every parameter's shape is the
+// checkpoint's before the interpreter allocates them (dims as recorded that no tensor there has
+// are refused without allocating for them).
 static bool open_from(Sampler *s, Arena *file_arena) {
   StFile f;
   CheckpointModel m;
@@ -252,17 +245,15 @@ static bool open_from(Sampler *s, Arena *file_arena) {
     return false;
   s->tokenizer = m.tokenizer;
   s->stored_tokenizer = m.tokenizer_base64;
-  if (m.text) {
-    const char *disk = read_text(file_arena, m.source);
-    if (disk && strcmp(disk, m.text))
-      fprintf(stderr, "%s: warning: %s differs from the model this checkpoint was trained with; sampling "
-              "with the copy of that model stored in the checkpoint\n", s->path, m.source);
-    s->g = mdl_compile_text(s->a, m.source, m.text, m.dims, m.ndims);
-  } else {
-    s->g = mdl_compile_file(s->a, m.source, m.dims, m.ndims);
-  }
+  const char *text = checkpoint_model_text(file_arena, s->path, &m, "sampling");
+  s->g = text ? mdl_compile_text(s->a, m.source, text, m.dims, m.ndims) : mdl_compile_file(s->a, m.source, m.dims, m.ndims);
   if (!s->g || !check_graph(s, m.source))
     return false;
+  const char *prefix = arena_printf(s->a, "checkpoint does not match %s: ", m.source);
+  for (int k = 0; k < s->g->nparams; k++)
+    if (!st_expect(&f, s->path, prefix, s->g->nodes[s->g->params[k]]))
+      return false;
+  checkpoint_dims_note(s->path, &m, s->g, "sampling");
   ir_eval_mode(s->g);
   s->it = interp_new(s->g, INTERP_F32);
   if (!load_params(s, &f, m.source))

@@ -32,6 +32,14 @@ typedef struct {
 // printing why (not an mdl checkpoint, a field missing, the model file not readable where the
 // checkpoint stores no copy of it).
 bool checkpoint_model(Arena *a, const char *path, const StFile *f, CheckpointModel *m);
+// The text eval and sample compile for m: the copy the checkpoint (path) stores, with one warning
+// when the file at the recorded path differs from it (`doing`: what the verb does with the copy,
+// "sampling"); NULL where it stores none (older checkpoints): then the file at the recorded path.
+const char *checkpoint_model_text(Arena *a, const char *path, const CheckpointModel *m, const char *doing);
+// Where m's file was compiled (a checkpoint storing no text), one note for each fixed dim of g (compiled
+// with m's dims as -D) that the checkpoint sets to another value than the file gives (a run given -D
+// for it, or the file changed since): the stored text with its dims is the run's own model, silently.
+void checkpoint_dims_note(const char *path, const CheckpointModel *m, const Graph *g, const char *doing);
 
 // A checkpoint's model compiled for one token per step (B = T = 1, the other dims as recorded),
 // its parameters loaded into the interpreter in decode mode.

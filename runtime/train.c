@@ -45,12 +45,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CKPT_FORMAT "mdl-checkpoint-1"
-
 // With several ranks (dist.c), B is the global batch, the ranks' B times their number: a checkpoint
 // of 2 ranks at B=2 is one of B=4, which 1 process at B=4 or 4 ranks at B=1 resume.
 static char *dims_string(const Graph *g) {
-  size_t cap = 64 + 48 * (size_t)g->ndims, len = 0;
+  size_t cap = 1, len = 0; // (each dim: a comma, its name, '=' and at most 20 digits and a sign)
+  for (int i = 0; i < g->ndims; i++)
+    cap += strlen(g->dims[i].name) + 23;
   char *s = rt_xrealloc(NULL, cap);
   s[0] = 0;
   for (int i = 0; i < g->ndims; i++)
@@ -249,19 +249,16 @@ static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOp
 // model changed, else, with warn, a warning).
 static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const Graph *g, const char *model_path,
                             bool warn) {
-  const char *fmt = st_meta(f, "mdl.format");
-  bool ok = fmt && !strcmp(fmt, CKPT_FORMAT);
-  if (!ok)
-    diag_file_error(path, "not an mdl checkpoint (no mdl.format = %s)", CKPT_FORMAT);
+  CkptMeta meta;
+  bool ok = ckpt_meta_read(a, path, f, &meta);
   const char *model = model_path ? model_path : "the model file";
   const char *stored = ok ? st_meta(f, "mdl.source_text") : NULL;
   bool changed = stored && g->source && strcmp(stored, g->source);
   const char *why = changed ? arena_printf(a, " (%s differs from the model this checkpoint was trained with, "
                                            "stored in it)", model) : "";
   char *dims = dims_string(g);
-  const char *cdims = ok ? st_meta(f, "mdl.dims") : NULL, *cstep = ok ? st_meta(f, "mdl.step") : NULL,
-             *cload = ok ? st_meta(f, "mdl.loader") : NULL, *cseed = ok ? st_meta(f, "mdl.seed") : NULL;
-  if (ok && (!cdims || !cstep || !cload || !cseed)) {
+  const char *cdims = meta.dims_text;
+  if (ok && (!cdims || meta.step < 0 || !meta.has_loader || !meta.has_seed)) {
     diag_file_error(path, "checkpoint metadata is incomplete");
     ok = false;
   } else if (ok && strcmp(cdims, dims)) {
@@ -271,7 +268,7 @@ static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const G
   free(dims);
   // The moments are the optimizer's own (AdamW's m is not Lion's, SGD's m is a velocity): a training
   // graph resumes only a checkpoint of its optimizer (one written before this was stored: AdamW).
-  const char *copt = ok ? st_meta(f, "mdl.optimizer") : NULL;
+  const char *copt = ok ? meta.optimizer : NULL;
   const char *gopt = opt_rule_name(g->train.optimizer);
   if (ok && g->updates && strcmp(copt ? copt : "adamw", gopt)) {
     diag_file_error(path, "checkpoint of a run with optimizer %s, this run uses %s: their moments differ, so it "
@@ -295,9 +292,10 @@ static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const G
 
 // Precision fp8's scaling state from checkpoint f into e (nothing where neither has one); false after
 // saying why where one has it and the other not, or where it is another model's.
-static bool read_fp8_state(const StFile *f, const char *path, Engine *e) {
+static bool read_fp8_state(const StFile *f, const CkptMeta *meta, const char *path, Engine *e) {
   const StTensor *sc = st_find(f, "fp8.scale"), *hi = st_find(f, "fp8.amax_history");
-  const char *rec = st_meta(f, "mdl.fp8_recorded"), *prec = st_meta(f, "mdl.precision");
+  const char *prec = meta->precision;
+  bool rec = meta->fp8_recorded >= 0;
   Fp8State *st = e->fp8 ? e->fp8(e) : NULL;
   const char *mine = e->g->train.precision;
   if (!st && !sc)
@@ -318,7 +316,7 @@ static bool read_fp8_state(const StFile *f, const char *path, Engine *e) {
   }
   memcpy(st->scale, sc->data, sizeof(float) * (size_t)st->n);
   memcpy(st->hist, hi->data, sizeof(float) * (size_t)st->n * (size_t)st->H);
-  st->recorded = strtoll(rec, NULL, 10);
+  st->recorded = meta->fp8_recorded;
   return true;
 }
 
@@ -331,9 +329,9 @@ static bool read_checkpoint(const char *path, Engine *e, const char *model_path,
   ZeroShard *zero = shards > 1 ? engine_shard(g, dist_rank(), shards) : NULL; // (--zero 1)
   Arena *a = arena_new();
   StFile f;
-  bool ok = st_read(a, path, &f) && checkpoint_fits(a, &f, path, g, model_path, true);
-  const char *cstep = ok ? st_meta(&f, "mdl.step") : NULL, *cload = ok ? st_meta(&f, "mdl.loader") : NULL,
-             *cseed = ok ? st_meta(&f, "mdl.seed") : NULL;
+  CkptMeta meta;
+  bool ok = st_read(a, path, &f) && checkpoint_fits(a, &f, path, g, model_path, true) &&
+            ckpt_meta_read(a, path, &f, &meta);
   int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
   int n = ok ? checkpoint_nodes(g, nodes) : 0;
   for (int i = 0; ok && i < n; i++) {
@@ -348,16 +346,11 @@ static bool read_checkpoint(const char *path, Engine *e, const char *model_path,
   for (int i = 0; ok && i < n; i++) // (--zero 1: a rank keeps the moments of its own shard)
     if (!zero || g->nodes[nodes[i]]->op != OP_STATE || engine_shard_owner(zero, g, nodes[i]) == zero->rank)
       e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
-  ok = ok && read_fp8_state(&f, path, e);
+  ok = ok && read_fp8_state(&f, &meta, path, e);
   if (ok) {
-    long long ep = 0, pos = 0;
-    *step = strtoll(cstep, NULL, 10);
-    *seed = strtoull(cseed, NULL, 10);
-    if (sscanf(cload, "%lld,%lld", &ep, &pos) != 2) {
-      diag_file_error(path, "bad mdl.loader '%s'", cload);
-      ok = false;
-    }
-    *ls = (LoaderState){ep, pos};
+    *step = meta.step;
+    *seed = meta.seed;
+    *ls = (LoaderState){meta.epoch, meta.position};
   }
   free(nodes);
   engine_shard_free(zero);

@@ -42,3 +42,18 @@ check "weights without a run's metadata are refused" "[ $rc -eq 1 ] && grep -q '
 $m eval "$tmp/w.safetensors" >/dev/null 2>"$tmp/err"
 rc=$?
 check "eval needs --data" "[ $rc -eq 1 ] && grep -q 'eval needs --data DIR' '$tmp/err'"
+
+# The model eval compiles is the checkpoint's stored text, as sample's: a file at the recorded path
+# edited since (gelu to relu) gets one warning and the run's own validation loss; gone, it is not needed.
+cp models/gpt2-tiny.mdl "$tmp/model.mdl"
+$m run "$tmp/model.mdl" -D B=2 -D T=16 --steps 4 --val-every 0 --backend interp --data "$tmp/data" --out "$tmp/run" \
+  >"$tmp/run.out" 2>"$tmp/err"
+sed -i 's/gelu(/relu(/' "$tmp/model.mdl"
+$m eval "$tmp/run/checkpoint.safetensors" --data "$tmp/data" --backend interp >"$tmp/eval.out" 2>"$tmp/err"
+rc=$? ran=$(val_of "$tmp/run.out") got=$(val_of "$tmp/eval.out")
+check "a model file edited since: the stored text's loss ($ran): $got, with one warning" \
+  "[ $rc -eq 0 ] && [ -n '$ran' ] && [ '$ran' = '$got' ] && [ \$(wc -l <'$tmp/err') -eq 1 ] && grep -q 'warning: $tmp/model.mdl differs from the model this checkpoint was trained with; evaluating with the copy of that model stored in the checkpoint' '$tmp/err'"
+rm "$tmp/model.mdl"
+$m eval "$tmp/run/checkpoint.safetensors" --data "$tmp/data" --backend interp >"$tmp/eval.out" 2>"$tmp/err"
+rc=$? got=$(val_of "$tmp/eval.out")
+check "the model file gone: the stored text's loss ($ran): $got" "[ $rc -eq 0 ] && [ '$ran' = '$got' ] && [ ! -s '$tmp/err' ]"

@@ -505,7 +505,7 @@ static void test_run(void) {
   sample_defaults(&o);
   o.prompt = "Hi";
 
-  char want_err[2048];
+  char want_err[8192];
   o.checkpoint = path_in("none.safetensors");
   snprintf(want_err, sizeof want_err, "%s: error: cannot open: No such file or directory\n", o.checkpoint);
   expect_error(&o, "run: a missing checkpoint", want_err);
@@ -528,7 +528,8 @@ static void test_run(void) {
       {"run: another format", "format.safetensors", {.format = "mdl-checkpoint-9"},
        "checkpoint format 'mdl-checkpoint-9' is not one this mdlc reads (mdl-checkpoint-1)"},
       {"run: malformed dims", "dims.safetensors", {.dims = "V=256,C"},
-       "not an mdl checkpoint (mdl.dims 'V=256,C' is not NAME=VALUE,...)"},
+       "bad checkpoint metadata: mdl.dims = 'V=256,C' is not NAME=VALUE,... with each dim once and each value a "
+       "whole number from 1 to 2147483647"},
       {"run: the model file is gone", "gone.safetensors", {.source = "/nonexistent/gone.mdl"},
        "cannot read the checkpoint's model /nonexistent/gone.mdl: No such file or directory"},
       {"run: the model changed a parameter's shape", "changed.safetensors", {.source = "%s/changed.mdl"},
@@ -587,16 +588,21 @@ static void test_run(void) {
   o.tokens = 30;
   expected_text(o.checkpoint, &o, want, sizeof want);
   rc = run_captured(&o);
-  snprintf(want_err, sizeof want_err, "%s: note: the prompt is 21 tokens with its leading EOS, more than the "
-           "model's context of 16: the model sees the last 16 tokens, before and after each new one\n", o.checkpoint);
+  // (a checkpoint storing no text, of maxT = 16 where the file says 128: a note says the checkpoint's is used)
+  char maxt[4096 + 1024];
+  snprintf(maxt, sizeof maxt, "%s: note: %s fixes dim maxT = 128; this checkpoint was trained with maxT=16 (given "
+           "with -D, or the model changed since), which sampling uses\n", o.checkpoint, model_abs);
+  snprintf(want_err, sizeof want_err, "%s%s: note: the prompt is 21 tokens with its leading EOS, more than the "
+           "model's context of 16: the model sees the last 16 tokens, before and after each new one\n", maxt,
+           o.checkpoint);
   CHECK(rc == 0 && !strcmp(out_text, want) && !strcmp(err_text, want_err),
         "run: a prompt longer than the context is cropped, with one note", "status %d, out \"%s\", stderr \"%s\"", rc,
         out_text, err_text);
   o.prompt = "abcdefghijklmno";
   expected_text(o.checkpoint, &o, want, sizeof want);
   rc = run_captured(&o);
-  snprintf(want_err, sizeof want_err, "%s: note: the model's context of 16 tokens is full: each further token is "
-           "drawn from the last 16, fed again from position 0 (the context slides)\n", o.checkpoint);
+  snprintf(want_err, sizeof want_err, "%s%s: note: the model's context of 16 tokens is full: each further token is "
+           "drawn from the last 16, fed again from position 0 (the context slides)\n", maxt, o.checkpoint);
   CHECK(rc == 0 && !strcmp(out_text, want) && strlen(out_text) == strlen(o.prompt) + 31 && !strcmp(err_text, want_err),
         "run: 30 tokens after a prompt that fills the context, with one note", "status %d, out \"%s\", stderr \"%s\"",
         rc, out_text, err_text);

@@ -112,6 +112,50 @@ static void test_schedule(void) {
   arena_free(a);
 }
 
+// Every step of linear, cosine and wsd (warmup 4, min_lr 1e-4, steps 40; wsd's decay 10 steps, and 0.25
+// of the 36 after the warmup) against docs/language.md's words, written out here: a straight line from
+// lr / warmup at step 1 to lr at step warmup; then linear and cosine go from lr at the warmup's end
+// down to min_lr at `steps`, in a straight line or along half a cosine; wsd keeps lr until `decay`
+// steps before `steps`, then a straight line down to min_lr there; min_lr after `steps`.
+static void test_schedule_steps(void) {
+  static const char *const sched[] = {"linear(warmup=4, min_lr=1e-4, steps=40)", "cosine(warmup=4, min_lr=1e-4, steps=40)",
+                                      "wsd(warmup=4, decay=10, min_lr=1e-4, steps=40)",
+                                      "wsd(warmup=4, decay=0.25, min_lr=1e-4, steps=40)"};
+  const double lr = 1e-3, lo = 1e-4, pi = 3.14159265358979323846;
+  for (int k = 0; k < 4; k++) {
+    char src[512];
+    snprintf(src, sizeof src, "model m\ninput x: f32[2, 3]\nparam w: [3, 1] = normal(0.5)\noutput loss = mean(x @ w)\n"
+             "train {\n    optimizer = adamw(lr=1e-3)\n    schedule = %s\n}\n", sched[k]);
+    Arena *a = arena_new();
+    Graph *g = mdl_compile_text(a, "sched.mdl", src, NULL, 0);
+    int bad = 0;
+    double got = 0, want = 0;
+    int64_t at = 0;
+    for (int64_t step = 1; g && step <= 50; step++) {
+      double x = (double)(step - 4) / 36, e; // x: the share of the decay's steps done
+      double decay = k == 2 ? 10 : 0.25 * 36, from = 40 - decay; // wsd: lr up to step `from`
+      if (step <= 4)
+        e = lr * (double)step / 4;
+      else if (step >= 40)
+        e = lo;
+      else if (k == 0)
+        e = lr - (lr - lo) * x;
+      else if (k == 1)
+        e = lo + (lr - lo) * (1 + cos(pi * x)) / 2;
+      else
+        e = step <= from ? lr : lr - (lr - lo) * (double)(step - from) / decay;
+      double r = rt_lr_at(&g->train, step);
+      if (fabs(r - e) > 1e-12 * e && !bad++)
+        got = r, want = e, at = step;
+    }
+    char name[160];
+    snprintf(name, sizeof name, "schedule: %s, steps 1 to 50 as docs/language.md says", sched[k]);
+    CHECK(g && !bad, name, "%d steps differ; the first, step %lld: %.17g, the formula %.17g", bad, (long long)at,
+          got, want);
+    arena_free(a);
+  }
+}
+
 // lr at `step` of the schedule a train section states ("" for none), with steps = run when the
 // section does not set them (as the driver does).
 static double lr_of(const char *schedule, int64_t run, int64_t step) {
@@ -342,6 +386,7 @@ int main(void) {
   test_log_every();
   test_schedule();
   test_schedules();
+  test_schedule_steps();
   test_muon_schedule();
   test_eval_mode();
   Arena *a = arena_new();
