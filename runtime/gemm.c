@@ -30,8 +30,8 @@
 #include <dlfcn.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <pthread.h>
-#include <stdlib.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -77,7 +77,7 @@ static struct {
 // The alternate signal stacks.
 //
 
-enum { SIGNAL_STACK_BYTES = 64 << 10 };  // (a frame with AVX-512 and AMX state takes about 12 KB)
+enum { SIGNAL_STACK_BYTES = 64 << 10 }; // (a frame with AVX-512 and AMX state takes about 12 KB)
 static pthread_once_t signal_stack_once = PTHREAD_ONCE_INIT;
 static pthread_key_t signal_stack_key; // its stack, released when the thread ends
 static _Thread_local bool tl_signal_stack;
