@@ -17,14 +17,23 @@
 // bgemm (bf16 operands, f32 accumulation and result) is offered only where the library has a bf16
 // GEMM faster than its f32 one: oneDNN on a CPU with AMX. Without AMX (avx512_bf16 alone) oneDNN's
 // bf16 GEMM runs at about half its f32 rate, so the module widens bf16 operands and calls sgemm.
+//
+// Signals. oneDNN's f32 GEMM kernels before 3.11.2 (jit_avx512_common_gemm_f32, jit_avx_gemm_f32)
+// point the stack pointer into a workspace they allocate on the heap while they run, so a signal
+// handled on that thread has its frame written over the heap below that workspace (glibc then
+// aborts in a later free: "corrupted size vs. prev_size"; a SIGTERM to a run did it 3 times in 230).
+// Every thread that calls into a library therefore gets an alternate signal stack first
+// (rt_signal_stack), and every handler the runtime installs runs on it (SA_ONSTACK).
 #include "backend.h"
 #include "runtime.h"
 
 #include <dlfcn.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 typedef void (*SetThreads)(int);
@@ -65,6 +74,42 @@ static struct {
 } L;
 
 //
+// The alternate signal stacks.
+//
+
+enum { SIGNAL_STACK_BYTES = 64 << 10 }; // (a frame with AVX-512 and AMX state takes about 12 KB)
+static pthread_once_t signal_stack_once = PTHREAD_ONCE_INIT;
+static pthread_key_t signal_stack_key; // its stack, released when the thread ends
+static _Thread_local bool tl_signal_stack;
+
+static void signal_stack_release(void *stack) {
+  stack_t off = {.ss_flags = SS_DISABLE};
+  sigaltstack(&off, NULL);
+  munmap(stack, SIGNAL_STACK_BYTES);
+}
+
+static void signal_stack_key_make(void) { pthread_key_create(&signal_stack_key, signal_stack_release); }
+
+void rt_signal_stack(void) {
+  if (tl_signal_stack)
+    return;
+  tl_signal_stack = true;
+  stack_t ss;
+  if (sigaltstack(NULL, &ss) == 0 && !(ss.ss_flags & SS_DISABLE)) // (one already: a sanitizer's)
+    return;
+  void *stack = mmap(NULL, SIGNAL_STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (stack == MAP_FAILED)
+    return;
+  ss = (stack_t){.ss_sp = stack, .ss_size = SIGNAL_STACK_BYTES};
+  if (sigaltstack(&ss, NULL) != 0) {
+    munmap(stack, SIGNAL_STACK_BYTES);
+    return;
+  }
+  pthread_once(&signal_stack_once, signal_stack_key_make);
+  pthread_setspecific(signal_stack_key, stack);
+}
+
+//
 // oneDNN.
 //
 
@@ -83,6 +128,7 @@ static void threads_back(int t) {
 
 static void onednn_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                          const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  rt_signal_stack();
   int t = one_thread();
   L.sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
   threads_back(t);
@@ -208,6 +254,7 @@ static dnnl_memory_t *memories(const Matmul *mm, const void *a, const void *b, v
 
 static void onednn_bgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                          const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  rt_signal_stack();
   const Matmul *mm = matmul_for(ta, tb, m, n, k, lda, ldb, ldc, beta);
   if (!tl_stream && L.stream_create(&tl_stream, L.engine, dnnl_stream_default_flags) != dnnl_success)
     tl_stream = NULL;
@@ -291,6 +338,7 @@ static bool onednn_load(char *why, size_t n) {
 
 static void openblas_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                            const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  rt_signal_stack();
   L.cblas_sgemm(101 /* row major */, ta ? 112 : 111, tb ? 112 : 111, (int)m, (int)n, (int)k, 1.0f, a, (int)lda, b,
                 (int)ldb, beta, c, (int)ldc);
 }

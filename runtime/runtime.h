@@ -365,4 +365,12 @@ bool train_check_inputs(const Graph *g, const char *model_path, const char *data
 // a warning when both are there and differ. NULL after saying why.
 struct Tokenizer *train_resume_tokenizer(const char *ckpt, const char *tok_path);
 void train_release_out(int fd, const char *dir, bool remove);
+//
+// gemm.c: signals while a GEMM library runs.
+//
+// Gives the calling thread an alternate signal stack, once (every thread that calls sgemm or bgemm
+// has one): a handler installed with SA_ONSTACK then never writes its frame where a GEMM kernel has
+// pointed the stack (gemm.c, "Signals").
+void rt_signal_stack(void);
+
 #endif

@@ -1052,7 +1052,9 @@ static const char *nonfinite_culprit(Engine *e, double loss, char *buf, size_t n
 
 // The first SIGINT or SIGTERM while training: the loop stops after the step under way, once its
 // checkpoint is written. SA_RESETHAND: a second stops the process, as the signal always did. A
-// signal ignored when the run began (a background job of a script, nohup) stays ignored.
+// signal ignored when the run began (a background job of a script, nohup) stays ignored. The handler
+// runs on the thread's alternate signal stack (SA_ONSTACK): a GEMM kernel may have pointed the stack
+// into the heap (gemm.c, "Signals").
 static volatile sig_atomic_t stop_signal;
 static void on_stop(int sig) { stop_signal = sig; }
 
@@ -1064,7 +1066,8 @@ static const int stop_signals[2] = {SIGINT, SIGTERM};
 
 static void catch_stop(StopSignals *s) {
   stop_signal = 0;
-  struct sigaction sa = {.sa_handler = on_stop, .sa_flags = SA_RESETHAND | SA_RESTART};
+  rt_signal_stack();
+  struct sigaction sa = {.sa_handler = on_stop, .sa_flags = SA_RESETHAND | SA_RESTART | SA_ONSTACK};
   sigemptyset(&sa.sa_mask);
   for (int i = 0; i < 2; i++)
     s->set[i] = sigaction(stop_signals[i], NULL, &s->old[i]) == 0 && s->old[i].sa_handler != SIG_IGN &&

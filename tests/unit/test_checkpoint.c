@@ -28,6 +28,10 @@
 //     runs: gpt2-tiny and llama-tiny, fp32 and bf16, plan one optimizer step per parameter after the
 //     gradient norm's, keep the parameters' bf16 copies, and train 2 steps (C back end) and 1 step
 //     (emulated CUDA kernels) bit for bit as the one fused optimizer step does.
+//  8. Which values auto recomputes: on a model whose layers save a tanh, a gelu and a GEMM output of
+//     one size, under 25 budgets from none's peak down to all's, never a value ranked above one it
+//     keeps by the documented rule (elementwise before GEMM outputs, then FLOPs per byte, worked out
+//     from the shapes), with budgets where the costliest-first order would choose other values.
 #include "mdl.h"
 #include "backend.h"
 #include "emit_cuda.h"
@@ -624,6 +628,156 @@ static void test_budgets(bool bf16) {
   arena_free(a);
 }
 
+// Check 8's model: each of its 4 layers saves three values of one size, [B, C] in f32: tanh(xin)
+// (elementwise, 1 FLOP an element), gelu(xin) (elementwise, 8: the tanh approximation's count, as
+// fusion counts it) and z @ w1 (a GEMM over K = 2 channels: 2 K = 4 FLOPs an element, fewer per byte
+// than the gelu, yet a GEMM). Every one of them is read by its layer's backward alone, so each
+// recomputed one frees its bytes at the backward's start, the peak.
+static const char order_model[] =
+    "model order\n"
+    "dim B = 256\n"
+    "dim C = 16\n"
+    "dim K = 2\n"
+    "dim L = 4\n"
+    "input xin: f32[B, C]\n"
+    "input z: f32[B, K]\n"
+    "input targets: i32[B]\n"
+    "x = xin * 1\n"
+    "repeat h[L] {\n"
+    "    param w1: [K, C] = normal(0.2)\n"
+    "    param w2: [C, C] = normal(0.2)\n"
+    "    param w3: [C, C] = normal(0.2)\n"
+    "    param w4: [C, C] = normal(0.2)\n"
+    "    x = x + (z @ w1) @ w2 + gelu(xin) @ w3 + tanh(xin) @ w4\n"
+    "}\n"
+    "param head: [C, 4] = normal(0.2)\n"
+    "output loss = mean(cross_entropy(x @ head, targets))\n"
+    "train {\n"
+    "    precision = fp32\n"
+    "}\n";
+
+// Where auto's documented rule puts a saved value of order_model: its class (0 elementwise, 1 a
+// GEMM: every elementwise value before every GEMM output), then the FLOPs of recomputing it per byte
+// it frees, from its shape. -1 in cls for an op the model was not written to save.
+typedef struct {
+  int cls;
+  double price;
+} Rank;
+
+static Rank rank_of(const Graph *g, int v) {
+  const IrNode *n = g->nodes[v];
+  double e = (double)shape_numel(n->shape), bytes = 4 * e;
+  if (n->op == OP_MATMUL) {
+    Shape x = g->nodes[n->in[0]]->shape;
+    return (Rank){1, 2 * e * (double)x.d[x.rank - 1] / bytes};
+  }
+  if (n->op == OP_TANH || n->op == OP_GELU)
+    return (Rank){0, (n->op == OP_GELU ? 8 : 1) * e / bytes};
+  return (Rank){-1, 0};
+}
+
+static bool ranks_above(Rank a, Rank b) { return a.cls > b.cls || (a.cls == b.cls && a.price > b.price); }
+
+// The pass with `policy`, and which forward values it recomputes (rec, per forward node), read from
+// its listing (`mdlc -d C`: "recomputed %ID ...").
+static bool place_listed(Graph *g, const char *policy, int64_t budget, bool *rec, char *why, size_t n) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *out = open_memstream(&text, &len);
+  bool ok = out && checkpoint_place(g, policy, budget, budget ? "the test's budget" : NULL, false, FO, true, out,
+                                    why, n);
+  if (out)
+    fclose(out);
+  for (const char *p = text; ok && (p = strstr(p, "recomputed %")); p++) {
+    int v = atoi(p + strlen("recomputed %"));
+    if (v >= 0 && v < g->fwd_end)
+      rec[v] = true;
+  }
+  free(text);
+  return ok;
+}
+
+// Check 8: which values auto recomputes. Under 25 budgets from none's peak down to all's, what it
+// recomputes is never ranked above what it keeps (the rank from the rule and the shapes, above);
+// the sweep meets a budget where a tanh is recomputed and every gelu kept (the price within a
+// class) and one where a gelu is recomputed and every GEMM output kept (the class before the price:
+// the GEMM's 1 FLOP a byte is below the gelu's 2), and there the costliest-first order would take
+// other values.
+static void test_auto_order(void) {
+  Arena *a = arena_new();
+  const Model md = {"order.mdl", {{NULL, 0}}, 0, order_model};
+  char name[600], why[600], seen[3000] = "";
+  Graph *none = training_graph(a, &md, false, why, sizeof why), *all = training_graph(a, &md, false, why, sizeof why);
+  bool *cand = all ? calloc((size_t)all->fwd_end + 1, sizeof(bool)) : NULL;
+  bool ok = none && cand && place(none, "none", 0, why, sizeof why) && place_listed(all, "all", 0, cand, why, sizeof why);
+  int ids[64], nc = 0, foreign = 0;
+  for (int v = 0; ok && v < all->fwd_end; v++)
+    if (cand[v] && nc < 64) {
+      ids[nc++] = v;
+      foreign += rank_of(all, v).cls < 0;
+    }
+  snprintf(name, sizeof name, "checkpoint auto order: all recomputes the model's 12 values (4 tanh, 4 gelu, 4 GEMM "
+           "outputs) and nothing else");
+  CHECK(ok && nc == 12 && !foreign, name, "%s", ok ? arena_printf(a, "%d values, %d of other ops", nc, foreign) : why);
+  if (!ok || nc != 12 || foreign) {
+    free(cand);
+    arena_free(a);
+    return;
+  }
+  int64_t lo = all->ckpt.peak, hi = none->ckpt.peak;
+  bool follows = true, placed_all = true, tanh_first = false, class_first = false;
+  int reversed_differs = 0, len = 0;
+  for (int j = 0; j <= 24; j++) {
+    int64_t budget = hi - j * (hi - lo) / 24;
+    Graph *g = training_graph(a, &md, false, why, sizeof why);
+    bool *rec = g ? calloc((size_t)g->fwd_end + 1, sizeof(bool)) : NULL;
+    if (!rec || !place_listed(g, "auto", budget, rec, why, sizeof why)) {
+      placed_all = false;
+      free(rec);
+      break;
+    }
+    int k = 0, count[3] = {0}, total[3] = {0}; // tanh, gelu, GEMM output
+    for (int i = 0; i < nc; i++) {
+      int v = ids[i], kind = all->nodes[v]->op == OP_TANH ? 0 : all->nodes[v]->op == OP_GELU ? 1 : 2;
+      total[kind]++;
+      count[kind] += rec[v];
+      k += rec[v];
+      for (int w = 0; w < nc; w++)
+        follows &= !(rec[v] && !rec[ids[w]] && ranks_above(rank_of(all, v), rank_of(all, ids[w])));
+    }
+    tanh_first |= count[0] > 0 && count[1] == 0;
+    class_first |= count[1] > 0 && count[2] == 0;
+    // the costliest-first order's k values: those of the highest ranks (ids descending among equals)
+    int taken = 0, same = 0;
+    bool *rev = calloc((size_t)all->fwd_end + 1, sizeof(bool));
+    while (rev && taken < k) {
+      int best = -1;
+      for (int i = 0; i < nc; i++)
+        if (!rev[ids[i]] && (best < 0 || !ranks_above(rank_of(all, best), rank_of(all, ids[i]))))
+          best = ids[i];
+      rev[best] = true;
+      same += rec[best];
+      taken++;
+    }
+    reversed_differs += k > 0 && k < nc && same < k;
+    free(rev);
+    free(rec);
+    if ((size_t)len < sizeof seen)
+      len += snprintf(seen + len, sizeof seen - (size_t)len, "%s%lld: %d tanh %d gelu %d GEMM", j ? ", " : "",
+                      (long long)budget, count[0], count[1], count[2]);
+  }
+  snprintf(name, sizeof name, "checkpoint auto order: under 25 budgets from none's %.3f MB down to all's %.3f MB, "
+           "auto never recomputes a value ranked above one it keeps (elementwise before GEMM outputs, then FLOPs "
+           "per byte: tanh 0.25, gelu 2, the GEMM over K=2 1)", mb(hi), mb(lo));
+  CHECK(placed_all && follows, name, "%s", placed_all ? seen : why);
+  snprintf(name, sizeof name, "checkpoint auto order: some budget recomputes a tanh with every gelu kept, another a "
+           "gelu with every GEMM output kept, where the costliest-first order would choose otherwise (%d budgets)",
+           reversed_differs);
+  CHECK(placed_all && tanh_first && class_first && reversed_differs > 0, name, "%s", placed_all ? seen : why);
+  free(cand);
+  arena_free(a);
+}
+
 static void remove_dir(const char *dir) {
   DIR *d = opendir(dir);
   struct dirent *ent;
@@ -769,6 +923,7 @@ int main(void) {
     test_budgets(bf16);
   }
   test_dropout();
+  test_auto_order();
   if (system("g++ --version >/dev/null 2>&1") == 0) {
     for (int m = 0; m < 2; m++) {
       test_cuda(dir, m ? "llama-tiny" : "gpt2-tiny", false);

@@ -3,11 +3,14 @@
 // sgemm, and bgemm where the library has one (its operands bf16 values, so every product is exact
 // and only the order of the f32 sums differs). The test runs for the library chosen by default,
 // then again in a child process for each library that MDL_GEMM can insist on and this machine has
-// (and the plain loops, MDL_GEMM=loops).
+// (and the plain loops, MDL_GEMM=loops). In each library's child, signals handled while its sgemm
+// runs leave the heap whole (check_signals).
 #include "backend.h"
 #include "test.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -95,6 +98,63 @@ static void check_library(const GemmLib *lib) {
   }
 }
 
+// Signals while the library runs: a thread computes 3000 products of 64 x 64 x 512 (a k over 84 is
+// where oneDNN's f32 kernels point the stack into a heap workspace, gemm.c's "Signals"), allocating
+// between them, while another signals it every 20 us; the handler is installed as the runtime
+// installs its own (SA_ONSTACK, train.c's stop handler). Each frame written where the stack pointer
+// was would land in the heap, which glibc's checks then abort on ("corrupted size vs. prev_size"):
+// the thread must finish, in a child process so that an abort is a failed check.
+static volatile sig_atomic_t handled;
+static void on_signal(int sig) { (void)sig, handled++; }
+
+typedef struct {
+  const GemmLib *lib;
+  volatile bool done;
+} Storm;
+
+static void *products(void *arg) {
+  Storm *st = arg;
+  enum { M = 64, N = 64, K = 512 };
+  float *a = calloc(M * K + K * N + M * N, sizeof *a);
+  for (int i = 0; a && i < M * K + K * N; i++)
+    a[i] = (float)(i % 5) - 2.0f;
+  for (int it = 0; a && it < 3000; it++) {
+    st->lib->sgemm(0, 0, M, N, K, a, K, a + M * K, N, 0.0f, a + M * K + K * N, N);
+    free(malloc(64 + (size_t)(it % 97) * 16));
+  }
+  free(a);
+  st->done = true;
+  return NULL;
+}
+
+static void check_signals(const GemmLib *lib) {
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    struct sigaction sa = {.sa_handler = on_signal, .sa_flags = SA_RESTART | SA_ONSTACK};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGUSR1, &sa, NULL);
+    Storm st = {.lib = lib};
+    pthread_t th;
+    if (pthread_create(&th, NULL, products, &st))
+      _exit(2);
+    while (!st.done) {
+      pthread_kill(th, SIGUSR1);
+      usleep(20);
+    }
+    pthread_join(th, NULL);
+    _exit(handled > 0 ? 0 : 3);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  char name[400];
+  snprintf(name, sizeof name, "gemm %s (%s): signals handled while sgemm runs (3000 products, k = 512) leave the "
+           "heap whole", lib->name, lib->kernels);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, name, "%s %d%s", WIFEXITED(status) ? "exit status" : "signal",
+        WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
+        WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT ? " (glibc found the heap damaged)" : "");
+}
+
 int main(int argc, char **argv) {
   char err[256];
   const GemmLib *lib = rt_gemm(err, sizeof err);
@@ -111,6 +171,10 @@ int main(int argc, char **argv) {
   if (!lib)
     TEST_EXIT();
   check_library(lib);
+  if (argc > 1 && !strcmp(argv[1], "loops"))
+    printf("[skip] gemm %s: signals while a library runs: no library\n", lib->name);
+  else if (argc > 1)
+    check_signals(lib);
   if (argc > 1) // a child for one library
     TEST_EXIT();
   CHECK(!lib->generic, "gemm: the library runs kernels for this CPU, not a generic fallback", "%s runs %s", lib->name,
