@@ -26,7 +26,7 @@ export MDL_CACHE=${MDL_CACHE:-$tmp/cache}
 mkdir -p build/fuzz/findings "$tmp/new"
 
 # build_one FILE: builds a model that checks, compiles its C; false (the reason printed) on a failure.
-cc_flags=$(sed -n 's/^const char \*const cpu_cc_flags = "\(.*\)";$/\1/p' runtime/cpu.c)
+cc_flags=$(sed -n 's/^ *snprintf(cc_flags, sizeof cc_flags, "\(cc [^"]*\)",$/\1/p' runtime/cpu.c | sed 's/%s/native/')
 build_one() {
   local f=$1 d name
   name=$(basename "$f")
@@ -113,7 +113,7 @@ done
 
 bin=build/fuzz/fuzz_front
 srcs=(tests/fuzz/fuzz_front.c compiler/arena.c compiler/ast.c compiler/diag.c compiler/ir.c compiler/sema.c
-  compiler/interp.c compiler/precision.c build/mdl.tab.c build/lex.yy.c)
+  compiler/readfile.c compiler/interp.c compiler/precision.c build/mdl.tab.c build/lex.yy.c)
 # Built again only when a source, a header or this script (its flags) is newer than the target: the
 # sanitized build costs more than a minute of a loaded machine's time.
 stale=$([ -x "$bin" ] || echo yes)
