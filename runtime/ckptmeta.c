@@ -90,7 +90,7 @@ bool ckpt_meta_read(Arena *a, const char *path, const StFile *f, CkptMeta *m) {
   m->text = st_meta(f, "mdl.source_text");
   m->tokenizer_base64 = st_meta(f, "mdl.tokenizer_base64");
   static const char *const optimizers[] = {"adamw", "sgd", "lion", "muon", NULL};
-  static const char *const precisions[] = {"fp32", "bf16", "fp8", NULL};
+  static const char *const precisions[] = {"fp32", "bf16", "fp8", "auto", NULL}; // (auto: as a train section says it)
   static const char *const bools[] = {"true", "false", NULL};
   const char *step = st_meta(f, "mdl.step"), *seed = st_meta(f, "mdl.seed"), *loader = st_meta(f, "mdl.loader"),
              *acc = st_meta(f, "mdl.accumulate"), *rec = st_meta(f, "mdl.fp8_recorded"),
@@ -132,6 +132,6 @@ bool ckpt_meta_read(Arena *a, const char *path, const StFile *f, CkptMeta *m) {
   if (m->optimizer && !one_of(m->optimizer, optimizers))
     return refuse(path, "mdl.optimizer", m->optimizer, "adamw, sgd, lion or muon");
   if (m->precision && !one_of(m->precision, precisions))
-    return refuse(path, "mdl.precision", m->precision, "fp32, bf16 or fp8");
+    return refuse(path, "mdl.precision", m->precision, "fp32, bf16, fp8 or auto");
   return true;
 }
