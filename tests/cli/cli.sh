@@ -360,3 +360,22 @@ cp models/gpt2-tiny.mdl "$tmp/tiny.mdl"
   grep -q '^trained 1 steps' "$tmp/inst.out" &&
   echo "[ok] cli: make install PREFIX=DIR installs DIR/bin/mdlc, which trains" ||
   echo "[fail] cli: make install: $(head -c 300 "$tmp/err" "$tmp/inst.out" 2>&1)"
+
+# MDL_MARCH: the module is built for the x86-64 level named: for x86-64-v2 with no AVX instruction (no
+# ymm or zmm register), where the native one (on a CPU with AVX2) has them; a name it does not know is
+# refused, naming the choices.
+build/tools/blobs "$tmp/mblobs" 200 >/dev/null
+for lv in native x86-64-v2; do
+  MDL_MARCH=$lv MDL_CACHE="$tmp/mcache-$lv" $m run models/mlp.mdl --data "$tmp/mblobs" --steps 1 --val-every 0 \
+    --backend cpu --out "$tmp/march-$lv" >/dev/null 2>"$tmp/err" || echo "[fail] cli: MDL_MARCH=$lv run: $(head -c 300 "$tmp/err")"
+done
+avx() { for so in "$tmp/mcache-$1"/*.so; do objdump -d "$so"; done | grep -cE '%[yz]mm'; }
+if [ "$(avx x86-64-v2)" -eq 0 ] && { ! grep -q avx2 /proc/cpuinfo || [ "$(avx native)" -gt 0 ]; }; then
+  echo "[ok] cli: MDL_MARCH=x86-64-v2 builds a module with no AVX instruction (the native one: $(avx native))"
+else
+  echo "[fail] cli: MDL_MARCH=x86-64-v2: $(avx x86-64-v2) AVX instructions in its module, $(avx native) in the native one"
+fi
+expect "MDL_MARCH=bogus is refused" 1 env MDL_MARCH=bogus MDL_CACHE="$tmp/mcache-native" $m run models/mlp.mdl \
+  --data "$tmp/mblobs" --steps 1 --backend cpu --out "$tmp/march-bogus"
+grep -q "MDL_MARCH=bogus: want x86-64, x86-64-v2, x86-64-v3, x86-64-v4 or native" "$tmp/err" &&
+  echo "[ok] cli: MDL_MARCH=bogus names the choices" || echo "[fail] cli: MDL_MARCH=bogus: $(head -c 300 "$tmp/err")"
