@@ -93,6 +93,8 @@ typedef struct {
 // The compiler command (without input and output paths), part of the cache key: -march=native, or
 // the x86-64 level in $MDL_MARCH.
 const char *cpu_cc_flags(void);
+// Whether $MDL_MARCH names a level this program knows and this CPU runs (or is unset), else why not.
+bool cpu_march_ok(char *err, size_t n);
 // Compiles `source` unless the cache ($MDL_CACHE, else ~/.cache/mdl) holds it already, then loads
 // it. NULL with a message in err on failure.
 CpuModule *cpu_load(const char *source, char *err, size_t n);

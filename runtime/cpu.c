@@ -48,7 +48,7 @@ const char *cpu_cc_flags(void) {
 }
 
 // Whether MDL_MARCH names a target this program knows and this CPU runs, else why not in err.
-static bool march_ok(char *err, size_t n) {
+bool cpu_march_ok(char *err, size_t n) {
   const char *m = getenv("MDL_MARCH");
   if (!m || !*m || !strcmp(m, "native"))
     return true;
@@ -291,7 +291,7 @@ static bool build(CpuModule *cm, const char *source, const char *src, const char
 CpuModule *cpu_load(const char *source, char *err, size_t n) {
   char dir[900], key[33], src[1024], so[1024], log[1024];
   const GemmLib *gemm = rt_gemm(err, n);
-  if (!gemm || !march_ok(err, n) || !rt_cache_dir("", dir, sizeof dir, err, n))
+  if (!gemm || !cpu_march_ok(err, n) || !rt_cache_dir("", dir, sizeof dir, err, n))
     return NULL;
   const char *parts[] = {source, cpu_cc_flags(), MDL_VERSION};
   fnv128(parts, 3, key);

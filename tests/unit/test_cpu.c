@@ -1110,11 +1110,8 @@ static void test_matrix(void) {
   const GemmLib *lib = rt_gemm(err, sizeof err);
   const char *cap = getenv("ONEDNN_MAX_CPU_ISA"), *march = getenv("MDL_MARCH");
   march = march && *march ? march : "native";
-  __builtin_cpu_init();
-  bool runs = !strcmp(march, "native") || !strcmp(march, "x86-64") ||
-              (!strcmp(march, "x86-64-v2") && __builtin_cpu_supports("x86-64-v2")) ||
-              (!strcmp(march, "x86-64-v3") && __builtin_cpu_supports("x86-64-v3")) ||
-              (!strcmp(march, "x86-64-v4") && __builtin_cpu_supports("x86-64-v4"));
+  char why[256];
+  bool runs = cpu_march_ok(why, sizeof why);
   if (!lib) { // (a library that is not installed)
     printf("[skip] cpu matrix: %s\n", err);
     return;
@@ -1124,7 +1121,7 @@ static void test_matrix(void) {
     return;
   }
   if (!runs) {
-    printf("[skip] cpu matrix: -march=%s: this CPU cannot run it\n", march);
+    printf("[skip] cpu matrix: %s\n", why);
     return;
   }
   printf("[ok] cpu matrix: GEMMs on %s (%s), modules built for -march=%s\n", lib->name, lib->kernels, march);
