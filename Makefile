@@ -2,22 +2,24 @@
 # `make install PREFIX=DIR` copies bin/mdlc to DIR/bin (default /usr/local).
 CC      ?= cc
 CFLAGS  ?= -O2 -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Icompiler -Iruntime -Ibuild
+# the source folders, one layer each (docs/internals.md, tests/cli/layers.sh); headers are found by name
+SRC_DIRS := compiler $(wildcard compiler/*/) runtime $(wildcard runtime/*/)
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror $(patsubst %/,-I%,$(addsuffix /,$(SRC_DIRS:/=))) -Ibuild
 LDLIBS  += -lm -ldl -lpthread
 PREFIX  ?= /usr/local
 
-LIB_SRC   := $(filter-out compiler/main.c,$(wildcard compiler/*.c runtime/*.c))
+LIB_SRC   := $(filter-out compiler/driver/main.c,$(wildcard $(addsuffix /*.c,$(SRC_DIRS:/=))))
 LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o build/preludes.o
-PRELUDES  := ec_prelude_c=runtime/prelude.h ec_prelude_c_bf16=runtime/prelude_bf16.h \
-             ec_prelude_fp8=runtime/prelude_fp8.h ec_prelude_c_fp8=runtime/prelude_c_fp8.h \
-             ec_prelude_cuda=runtime/prelude.cuh
+PRELUDES  := ec_prelude_c=runtime/kernels/prelude.h ec_prelude_c_bf16=runtime/kernels/prelude_bf16.h \
+             ec_prelude_fp8=runtime/kernels/prelude_fp8.h ec_prelude_c_fp8=runtime/kernels/prelude_c_fp8.h \
+             ec_prelude_cuda=runtime/kernels/prelude.cuh
 UNIT_SRC  := $(wildcard tests/unit/test_*.c)
 UNIT_BIN  := $(patsubst tests/unit/%.c,build/tests/%,$(UNIT_SRC))
-HEADERS   := $(wildcard compiler/*.h runtime/*.h)
+HEADERS   := $(wildcard $(addsuffix /*.h,$(SRC_DIRS:/=)))
 
 all: bin/mdlc build/tools/blobs
 
-bin/mdlc: build/compiler/main.o build/libmdl.a
+bin/mdlc: build/compiler/driver/main.o build/libmdl.a
 	@mkdir -p bin
 	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
 
@@ -42,20 +44,20 @@ build/mdl.tab.o: build/mdl.tab.c $(HEADERS)
 build/lex.yy.o: build/lex.yy.c $(HEADERS)
 	$(CC) $(CFLAGS) -Igrammar -c -o $@ $<
 
-# the preludes of emitted modules (runtime/prelude*), as C arrays in mdlc (emit_common.h)
+# the preludes of emitted modules (runtime/kernels/prelude*), as C arrays in mdlc (emit_common.h)
 build/tools/embed: tools/embed.c
 	@mkdir -p build/tools
 	$(CC) $(CFLAGS) -o $@ $<
 
-build/preludes.c: build/tools/embed runtime/prelude.h runtime/prelude_bf16.h runtime/prelude_fp8.h \
-                  runtime/prelude_c_fp8.h runtime/prelude.cuh
+build/preludes.c: build/tools/embed runtime/kernels/prelude.h runtime/kernels/prelude_bf16.h runtime/kernels/prelude_fp8.h \
+                  runtime/kernels/prelude_c_fp8.h runtime/kernels/prelude.cuh
 	build/tools/embed $@ $(PRELUDES)
 
 build/preludes.o: build/preludes.c
 	$(CC) $(CFLAGS) -c -o $@ $<
 
 build/tests/%: tests/unit/%.c tests/unit/test.h tests/unit/draw_checks.h tests/unit/cubin_syms.h \
-                tests/unit/cuda_emu_host.h tests/unit/scratch_dir.h build/libmdl.a
+                tests/unit/cuda_emu_host.h tests/unit/cuda_emu.h tests/unit/scratch_dir.h build/libmdl.a
 	@mkdir -p build/tests
 	$(CC) $(CFLAGS) -Itests/unit -o $@ $< build/libmdl.a $(LDLIBS)
 

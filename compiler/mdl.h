@@ -309,7 +309,7 @@ typedef struct {
   SrcLoc loc;
 } Fp8Tensor;
 
-// The learning-rate schedule after its linear warmup (runtime/schedule.c): lr throughout, a
+// The learning-rate schedule after its linear warmup (runtime/train/schedule.c): lr throughout, a
 // straight line or a cosine from lr to min_lr at step `steps`, or warmup-stable-decay (lr, then a
 // straight line to min_lr over the last `decay` steps). Without a schedule setting: constant.
 typedef enum { SCHED_CONSTANT, SCHED_LINEAR, SCHED_COSINE, SCHED_WSD } Schedule;
@@ -406,7 +406,7 @@ const char *op_name(Op op);
 // The kv heads of an ATTENTION, ATTENTION_LSE or ATTENTION_BWD node (ia[5], 0 meaning one per head).
 static inline int64_t att_kv_heads(const IrNode *n) { return n->ia[5] ? n->ia[5] : n->ia[0]; }
 // The (query, key) pairs attention over t queries and s keys computes per head, as the FLOP counts
-// (fuse.c, runtime/flops.c) take them: t s; causal, t^2 / 2; with a window w < t, w t - w^2 / 2 (rows
+// (fuse.c, runtime/engine/flops.c) take them: t s; causal, t^2 / 2; with a window w < t, w t - w^2 / 2 (rows
 // see up to w keys; the first w rows fewer).
 static inline double att_pairs(int64_t t, int64_t s, bool causal, int64_t window) {
   if (!causal)
@@ -446,7 +446,7 @@ int64_t ir_dim(const Graph *g, const char *name); // a dim's bound value, -1 whe
 void ir_eval_mode(Graph *g);
 
 //
-// front end (grammar/mdl.l, grammar/mdl.y, compiler/sema.c): .mdl text to the forward graph.
+// front end (grammar/mdl.l, grammar/mdl.y, compiler/front/sema.c): .mdl text to the forward graph.
 //
 typedef struct {
   const char *name;

@@ -1,5 +1,5 @@
 /* mdl.y: the .mdl grammar (bison, pure parser with locations). It only builds the AST of
- * compiler/front.h; names, types and shapes are sema.c's business.
+ * compiler/front/front.h; names, types and shapes are sema.c's business.
  *
  * A file is a list of statements separated by newlines or ';'. Blocks ({ } after `repeat` and
  * `train`) hold statements too; the last one may end at the '}'. Expressions, tightest first:

@@ -99,8 +99,8 @@ if [ "${1:-}" = "--bundle" ]; then
   [ -n "$blas" ] || { echo "gpu-check --bundle: no static OpenBLAS (libopenblas.a: Debian's libopenblas-dev)"; exit 1; }
   mkdir -p "$dir" || exit 1
   keep="-rdynamic -Wl,-u,cblas_sgemm -Wl,-u,openblas_get_corename -Wl,-u,openblas_set_num_threads"
-  if ! { cc -O2 ${CFLAGS:-} $keep -o "$dir/mdlc" build/compiler/main.o build/libmdl.a "$blas" -lm -ldl -lpthread &&
-    cc -std=c11 -D_GNU_SOURCE -O2 ${CFLAGS:-} -Wall -Wextra -Werror -Icompiler -Iruntime $keep -o "$dir/gpucmp" \
+  if ! { cc -O2 ${CFLAGS:-} $keep -o "$dir/mdlc" build/compiler/driver/main.o build/libmdl.a "$blas" -lm -ldl -lpthread &&
+    cc -std=c11 -D_GNU_SOURCE -O2 ${CFLAGS:-} -Wall -Wextra -Werror $(for d in compiler compiler/*/ runtime runtime/*/; do printf -- "-I%s " "${d%/}"; done) $keep -o "$dir/gpucmp" \
       tools/gpucmp.c build/libmdl.a "$blas" -lm -ldl -lpthread && strip "$dir/mdlc" "$dir/gpucmp"; }; then
     echo "gpu-check --bundle: linking failed"
     exit 1
@@ -143,7 +143,7 @@ t0=$(date +%s)
 mdlc=bin/mdlc
 gpucmp="$tmp/gpucmp"
 if make -j"$(nproc)" bin/mdlc build/libmdl.a >"$tmp/build.log" 2>&1 &&
-  cc -std=c11 -D_GNU_SOURCE -O2 ${CFLAGS:-} -Icompiler -Iruntime -o "$gpucmp" tools/gpucmp.c build/libmdl.a \
+  cc -std=c11 -D_GNU_SOURCE -O2 ${CFLAGS:-} $(for d in compiler compiler/*/ runtime runtime/*/; do printf -- "-I%s " "${d%/}"; done) -o "$gpucmp" tools/gpucmp.c build/libmdl.a \
     -lm -ldl -lpthread >>"$tmp/build.log" 2>&1; then
   say "built in $(($(date +%s) - t0)) s"
 elif [ -x gpu-bundle/mdlc ] && [ -x gpu-bundle/gpucmp ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Data-parallel training under mpirun (runtime/dist.c): 2 ranks at B=2 train what 1 process trains at
+# Data-parallel training under mpirun (runtime/engine/dist.c): 2 ranks at B=2 train what 1 process trains at
 # B=4 (the same losses and parameters, up to the order of the all-reduce's sums), with gradient
 # accumulation too; the gradients reduced in buckets, in one all-reduce, or in buckets beside the
 # backward give the same checkpoint; so does the optimizer's state sharded (--zero 1: its memory

@@ -7,7 +7,7 @@
 # kept in build/fuzz/findings/: fix the bug, then add the input to tests/fuzz/corpus/ (or as a case
 # in tests/errors/). Without clang or libFuzzer the fuzzing is skipped, saying why.
 # Last, models that check go through `mdlc build` (--checkpoint none, as tools/regen.sh builds) and
-# their C through the C compiler with runtime/cpu.c's flags (at -O0: the same errors, sooner): every
+# their C through the C compiler with runtime/engine/cpu.c's flags (at -O0: the same errors, sooner): every
 # model in tests/fuzz/builds/ (ones that once checked but did not build or compile), then, in name
 # order (libFuzzer names an input by the hash of its bytes), the first FUZZ_BUILDS (12) of the
 # fuzzer's new inputs and the corpus that `mdlc check` accepts, out of at most 300 tried. A model
@@ -26,7 +26,7 @@ export MDL_CACHE=${MDL_CACHE:-$tmp/cache}
 mkdir -p build/fuzz/findings "$tmp/new"
 
 # build_one FILE: builds a model that checks, compiles its C; false (the reason printed) on a failure.
-cc_flags=$(sed -n 's/^ *snprintf(cc_flags, sizeof cc_flags, "\(cc [^"]*\)",$/\1/p' runtime/cpu.c | sed 's/%s/native/')
+cc_flags=$(sed -n 's/^ *snprintf(cc_flags, sizeof cc_flags, "\(cc [^"]*\)",$/\1/p' runtime/engine/cpu.c | sed 's/%s/native/')
 build_one() {
   local f=$1 d name
   name=$(basename "$f")
@@ -60,7 +60,7 @@ build_one() {
 
 # The build step (above); then exits with status $1.
 build_check() {
-  [ -n "$cc_flags" ] || { echo "[fail] fuzz: no cpu_cc_flags in runtime/cpu.c"; exit 1; }
+  [ -n "$cc_flags" ] || { echo "[fail] fuzz: no cpu_cc_flags in runtime/engine/cpu.c"; exit 1; }
   local f n=0 bad=0 tried=0 built=0
   for f in tests/fuzz/builds/*.mdl; do
     [ -f "$f" ] || continue
@@ -112,16 +112,16 @@ for f in build/mdl.tab.c build/lex.yy.c; do
 done
 
 bin=build/fuzz/fuzz_front
-srcs=(tests/fuzz/fuzz_front.c compiler/arena.c compiler/ast.c compiler/diag.c compiler/ir.c compiler/sema.c
-  compiler/readfile.c compiler/interp.c compiler/precision.c build/mdl.tab.c build/lex.yy.c)
+srcs=(tests/fuzz/fuzz_front.c compiler/base/arena.c compiler/front/ast.c compiler/base/diag.c compiler/passes/ir.c compiler/front/sema.c
+  compiler/base/readfile.c runtime/engine/interp.c compiler/passes/precision.c build/mdl.tab.c build/lex.yy.c)
 # Built again only when a source, a header or this script (its flags) is newer than the target: the
 # sanitized build costs more than a minute of a loaded machine's time.
 stale=$([ -x "$bin" ] || echo yes)
-for f in "${srcs[@]}" compiler/*.h runtime/prelude_fp8.h build/*.h "$0"; do
+for f in "${srcs[@]}" compiler/*.h compiler/*/*.h runtime/*.h runtime/*/*.h build/*.h "$0"; do
   [ "$f" -nt "$bin" ] && stale=yes
 done
 if [ -n "$stale" ] && ! clang -g -O1 -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fsanitize=fuzzer,address,undefined \
-  -fno-sanitize-recover=undefined -Icompiler -Iruntime -Ibuild -Igrammar -o "$bin" "${srcs[@]}" -lm >"$tmp/build.log" 2>&1; then
+  -fno-sanitize-recover=undefined $(for d in compiler compiler/*/ runtime runtime/*/; do printf -- "-I%s " "${d%/}"; done) -Ibuild -Igrammar -o "$bin" "${srcs[@]}" -lm >"$tmp/build.log" 2>&1; then
   rm -f "$bin"
   cat "$tmp/build.log" | head -30
   echo "[fail] fuzz: the fuzz target does not build"

@@ -9,7 +9,7 @@
 #     library the host would choose.
 # A path this CPU cannot run (an ISA level above its own, a library not installed) is a [skip] that
 # names it. Every check line says which path it ran on. GCC 12.2 miscompiled kernels on some of
-# these paths and not on others (runtime/prelude.h, MDL_NOIPA): this is what catches that whatever
+# these paths and not on others (runtime/kernels/prelude.h, MDL_NOIPA): this is what catches that whatever
 # the host.
 set -u
 cd "$(dirname "$0")/../.."

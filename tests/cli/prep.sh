@@ -38,8 +38,8 @@ int main(int argc, char **argv) {
   return prep_run(&o);
 }
 EOF
-  if ! ${CC:-cc} -std=c11 -D_GNU_SOURCE -O1 -Icompiler -Iruntime -o "$tmp/prep" "$tmp/driver.c" runtime/tokenizer.c \
-      runtime/shard.c runtime/loader.c runtime/corpus.c runtime/prep.c compiler/diag.c -lm -lpthread 2>"$tmp/cc.err"; then
+  if ! ${CC:-cc} -std=c11 -D_GNU_SOURCE -O1 $(for d in compiler compiler/*/ runtime runtime/*/; do printf -- "-I%s " "${d%/}"; done) -o "$tmp/prep" "$tmp/driver.c" runtime/data/tokenizer.c \
+      runtime/data/shard.c runtime/data/loader.c runtime/data/corpus.c runtime/data/prep.c compiler/base/diag.c -lm -lpthread 2>"$tmp/cc.err"; then
     echo "[fail] prep: cannot build the stand-in driver: $(head -c 300 "$tmp/cc.err")"
     exit 1
   fi
@@ -137,7 +137,7 @@ for f in files:
     else:
         want += split_sep(data)
 want = [d for d in want if d]
-# corpus_part's split by size (runtime/corpus.c), in the same double arithmetic
+# corpus_part's split by size (runtime/data/corpus.c), in the same double arithmetic
 total, before, held, expected = sum(len(d) for d in want), 0, 0, []
 for i, d in enumerate(want):
     n = len(d)

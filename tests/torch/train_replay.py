@@ -10,7 +10,7 @@ here without mdl's code.
       (--weights); LOG: the log.jsonl of the longest run; CKPT_k: the checkpoint after step k.
       Prints "[ok] replay ..." / "[fail] replay ...: why" per step and check; exits 1 on any failure.
 
-Batches are those of mdl's loader with --no-shuffle (runtime/data.h, loader.c): the shard's tokens as
+Batches are those of mdl's loader with --no-shuffle (runtime/data/data.h, loader.c): the shard's tokens as
 one stream; the rows of batch s (from 1) are the windows w = (s-1)*B .. s*B-1, window w being
 stream[w*T, w*T + T + 1): tokens the first T, targets the next token; each EOS (token 0) starts a new
 document: the doc id counts the EOS tokens seen in the row so far, the position restarts at 0 at it.

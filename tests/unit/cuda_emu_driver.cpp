@@ -1,9 +1,9 @@
 // cuda_emu_driver.cpp: turns an emitted CUDA module into a shared object the tests can drive on the
 // CPU. Compiled by the tests with the module's path in MDL_EMU_SOURCE:
-//   g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Iruntime -DMDL_EMU_SOURCE='"model.cu"' cuda_emu_driver.cpp
+//   g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Itests/unit -Iruntime/kernels -DMDL_EMU_SOURCE='"model.cu"' cuda_emu_driver.cpp
 // The module's kernels are extern "C" functions of the object (found with dlsym by name);
-// mdl_emu_launch runs one of them over a grid with runtime/cuda_emu.h, with the kernel arguments of a
-// CudaLaunch (runtime/emit_cuda.h).
+// mdl_emu_launch runs one of them over a grid with tests/unit/cuda_emu.h, with the kernel arguments of a
+// CudaLaunch (compiler/emit/emit_cuda.h).
 #include "cuda_emu.h"
 
 #include MDL_EMU_SOURCE

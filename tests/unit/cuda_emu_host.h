@@ -1,5 +1,5 @@
 // cuda_emu_host.h: the host side of running an emitted CUDA module on the CPU (the kernels through
-// tests/unit/cuda_emu_driver.cpp and runtime/cuda_emu.h, the GEMMs through a reference in double), as
+// tests/unit/cuda_emu_driver.cpp and tests/unit/cuda_emu.h, the GEMMs through a reference in double), as
 // test_cuda_emit.c and test_checkpoint.c run them.
 #ifndef MDL_CUDA_EMU_HOST_H
 #define MDL_CUDA_EMU_HOST_H
@@ -110,7 +110,7 @@ static bool emu_load(const CudaPlan *p, const char *dir, const char *tag, Emu *e
   }
   snprintf(cmd, sizeof cmd,
            "g++ -std=c++17 -O1 -fopenmp -shared -fPIC " EMU_CHECKS " -Wall -Wextra -Werror -Wno-unknown-pragmas "
-           "-Wno-unused-parameter -Iruntime "
+           "-Wno-unused-parameter -Itests/unit -Iruntime/kernels "
            "-DMDL_EMU_SOURCE='\"%s\"' tests/unit/cuda_emu_driver.cpp -o %s >%s 2>&1",
            cu, so, log);
   if (system(cmd) != 0) {

@@ -23,7 +23,7 @@
 //     Attention: bf16 forwards and the backward's statistics, dq and dk, dv kernels with heads of 16
 //     (gpt2-tiny) and 32 (attn) call the tensor cores' mma, with heads of 12 (attn-d12) they fall back
 //     to the CUDA-core kernels; bf16 kernels round, fp32 ones do not.
-//  3. Emulation: each module is compiled as C++ with runtime/cuda_emu.h (g++ -O1, no warning) and its
+//  3. Emulation: each module is compiled as C++ with tests/unit/cuda_emu.h (g++ -O1, no warning) and its
 //     schedule run on the CPU, the GEMMs by a reference GEMM in double (f32 or bf16 operands and
 //     result, as the plan says) with the same epilogues. On gpt2-tiny (B=2, T=16), llama-tiny (B=1,
 //     T=80: keys in several tiles), the MLP, a model of every other op family, one of wide rows and
@@ -1134,7 +1134,7 @@ static void test_emu_checks(const char *dir) {
   FILE *f = fopen(src, "w");
   bool ok = f && fputs(prog, f) >= 0;
   ok = f && !fclose(f) && ok;
-  snprintf(cmd, sizeof cmd, "g++ -std=c++17 -O1 -fopenmp " EMU_CHECKS " -Iruntime -include cuda_emu.h %s -o %s "
+  snprintf(cmd, sizeof cmd, "g++ -std=c++17 -O1 -fopenmp " EMU_CHECKS " -Itests/unit -Iruntime/kernels -include cuda_emu.h %s -o %s "
            ">%s.log 2>&1", src, bin, bin);
   ok = ok && system(cmd) == 0;
   CHECK(ok, "cuda emu checks: a kernel compiles with the emulator and UBSan's checks", "see %s.log", bin);

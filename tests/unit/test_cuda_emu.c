@@ -1,4 +1,4 @@
-// test_cuda_emu.c: the CUDA emulator (runtime/cuda_emu.h) and the helpers of the emitted prelude,
+// test_cuda_emu.c: the CUDA emulator (tests/unit/cuda_emu.h) and the helpers of the emitted prelude,
 // run on the CPU. A C++ file made of the emulator, the prelude and the small kernels below is compiled
 // with g++ and loaded; each check compares what the kernels wrote with values computed here:
 //   - __syncthreads orders the threads of a block (each reads what another wrote before the barrier);
@@ -354,7 +354,7 @@ static void *load(const char *dir, char *why, size_t n) {
     return NULL;
   fprintf(f, "#include \"cuda_emu.h\"\n%s\n%s%s", emit_cuda_prelude(), mma_kernels, kernels);
   fclose(f);
-  snprintf(cmd, sizeof cmd, "g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Wall -Iruntime %s -o %s >%s 2>&1", src, so,
+  snprintf(cmd, sizeof cmd, "g++ -std=c++17 -O1 -fopenmp -shared -fPIC -Wall -Itests/unit -Iruntime/kernels %s -o %s >%s 2>&1", src, so,
            log);
   if (system(cmd) != 0) {
     f = fopen(log, "r");

@@ -1,4 +1,4 @@
-// test_cuda_rt.c: the CUDA runtime (runtime/cuda.c) on a machine with or without a GPU.
+// test_cuda_rt.c: the CUDA runtime (runtime/engine/cuda.c) on a machine with or without a GPU.
 //   - Without a driver: cuda_probe, cuda_available and engine_cuda all fail with "no CUDA driver
 //     (libcuda.so.1 not found)" (checked only when dlopen itself cannot find libcuda.so.1).
 //   - Fake drivers, small shared objects compiled here and named by $MDL_LIBCUDA: they test the
@@ -8,13 +8,13 @@
 //     compute capability becomes "sm_XY"; a stub driver, a file that is not a library and a driver
 //     lacking the engine's entry points each give their one-line message.
 //   - An emulated GPU (when g++ is there): the first half of this file, compiled as C++ with an
-//     emitted module and runtime/cuda_emu.h into one shared object that is both the driver and
+//     emitted module and tests/unit/cuda_emu.h into one shared object that is both the driver and
 //     cuBLASLt. It keeps "device" memory on the host, runs the emitted kernels on CPU fibers, records
 //     stream captures and replays them as graphs, and computes GEMMs by cuBLASLt's documented
 //     column-major rules (transposes, leading dimensions, strided batches, bias and GELU epilogues
 //     with their aux output, f32 or bf16 A and B, f32 or bf16 D; fp8 A and B by the FP8 rules of
 //     Hopper: E4M3 or E5M2, not both E5M2, "TN" only, leading dimensions multiples of 16, no epilogue,
-//     the codes decoded by runtime/prelude_fp8.h and the f32 sums times the A and B scales read
+//     the codes decoded by runtime/kernels/prelude_fp8.h and the f32 sums times the A and B scales read
 //     through their pointers when the GEMM runs; any other fp8 GEMM the heuristic refuses with
 //     CUBLAS_STATUS_NOT_SUPPORTED, as the library does) independently of how cuda.c maps our
 //     row-major GEMMs onto them, and counts the element types each GEMM is described with. Its
@@ -96,7 +96,7 @@ static bool in_list(const char *list, const char *name) {
 
 #ifdef MDL_FAKE_GPU
 // The emulated GPU: this half of the file is C++, compiled by the test (g++ -DMDL_FAKE_GPU -include
-// runtime/cuda_emu.h) with an emitted module (MDL_MODULE) and the list of its kernels (MDL_KERNELS,
+// tests/unit/cuda_emu.h) with an emitted module (MDL_MODULE) and the list of its kernels (MDL_KERNELS,
 // lines "K(name)") into a shared object that is both libcuda.so.1 and libcublasLt.so for engine_cuda.
 // Device memory is host memory; every call runs at once except on a capturing stream, where kernel
 // launches, memsets and GEMMs are recorded into the graph that cuGraphLaunch replays. It exports no
@@ -1202,7 +1202,7 @@ static bool build_fake_gpu_of(const CudaPlan *p, const char *name, bool kernels_
   snprintf(cmd, sizeof cmd,
            "g++ -std=c++17 -O1 -shared -fPIC -fsanitize=alignment,bounds -fno-sanitize-recover=all -DMDL_FAKE_GPU %s"
            "'-DMDL_MODULE=\"%s\"' '-DMDL_KERNELS=\"%s\"' "
-           "-include runtime/cuda_emu.h -x c++ %s -o %s >%s/%s.log 2>&1",
+           "-include tests/unit/cuda_emu.h -x c++ %s -o %s >%s/%s.log 2>&1",
            kernels_only ? "-DMDL_FAKE_KERNELS_ONLY " : "", cu, list, __FILE__, so, tmp, name);
   if (system(cmd) != 0) {
     snprintf(why, wn, "g++ failed: see %s/%s.log", tmp, name);

@@ -1,5 +1,5 @@
 // test_fp8.c: the fp8 conversions of the emitted CUDA prelude (mdl_f32_to_e4m3 / e5m2, mdl_e4m3 / e5m2_to_f32).
-//  1. On the CPU: the prelude is compiled with runtime/cuda_emu.h (g++ -Wall -Wextra -Werror) with a
+//  1. On the CPU: the prelude is compiled with tests/unit/cuda_emu.h (g++ -Wall -Wextra -Werror) with a
 //     small driver calling the conversions, and NVIDIA's own host conversions (cuda_fp8.h:
 //     __nv_cvt_float_to_fp8 with __NV_SATFINITE, __nv_cvt_fp8_to_halfraw) are compiled apart as the
 //     reference. Checked: hand-computed encodings (ties to even in the normal and subnormal ranges,
@@ -8,7 +8,7 @@
 //     code encodes back to itself; and encodings agree bit for bit with NVIDIA's on every float16 value
 //     read as a float, every fp8 value, the midpoints between neighbours (ties) and the floats just
 //     around them, +-0, +-inf, NaNs, values beyond the largest, float subnormals and 4M random floats.
-//     The host's conversions (runtime/prelude_fp8.h, the C back end's and the interpreter's) pass the
+//     The host's conversions (runtime/kernels/prelude_fp8.h, the C back end's and the interpreter's) pass the
 //     same checks, even without a compiler, and encode and widen bit for bit as the emulated prelude.
 //  2. NVRTC: the prelude with a kernel using the conversions compiles for sm_80 (software path) and
 //     sm_89, sm_90, sm_100 and sm_120 (cvt.rn.satfinite) without an error or a warning.
@@ -376,7 +376,7 @@ static void test_encode_reference(EncodeFn enc, EncodeFn ref) {
   free(g);
 }
 
-// The host's conversions (runtime/prelude_fp8.h: the C back end's and the interpreter's).
+// The host's conversions (runtime/kernels/prelude_fp8.h: the C back end's and the interpreter's).
 static void host_encode(const float *x, uint8_t *e4, uint8_t *e5, long n) {
   for (long i = 0; i < n; i++) {
     e4[i] = mdl_f32_to_e4m3(x[i]);
@@ -441,7 +441,7 @@ static void test_cpu(const char *dir) {
   }
   snprintf(cmd[0], sizeof cmd[0],
            "g++ -std=c++17 -O1 -shared -fPIC -Wall -Wextra -Werror -Wno-unknown-pragmas -Wno-unused-parameter "
-           "-Iruntime %s -o %s", emu_src, emu_so);
+           "-Itests/unit -Iruntime/kernels %s -o %s", emu_src, emu_so);
   // NVIDIA's header with the host compiler, else through nvcc (host code only: no GPU involved).
   snprintf(cmd[1], sizeof cmd[1],
            "g++ -std=c++17 -O1 -shared -fPIC -I/usr/local/cuda/include %s -o %s || "
@@ -452,7 +452,7 @@ static void test_cpu(const char *dir) {
   char why[4096];
   read_log(emu_log, why, sizeof why);
   char name[160];
-  snprintf(name, sizeof name, "fp8: the prelude compiles with runtime/cuda_emu.h (g++ -Wall -Wextra -Werror, %.1f s)",
+  snprintf(name, sizeof name, "fp8: the prelude compiles with tests/unit/cuda_emu.h (g++ -Wall -Wextra -Werror, %.1f s)",
            now() - t0);
   CHECK(emu_ok, name, "%.1500s", why);
   void *he = emu_ok ? dlopen(emu_so, RTLD_NOW | RTLD_LOCAL) : NULL;

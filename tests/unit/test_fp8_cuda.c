@@ -3,7 +3,7 @@
 //  1. NVRTC compiles the fp8 module for sm_89, sm_90, sm_100 and sm_120 without an error or a warning.
 //  2. The plan: its fp8 GEMMs read one-byte operands with their 1 / scale in the fp8 region, and the
 //     casts' kernels address that region.
-//  3. In the emulator (runtime/cuda_emu.h, the GEMMs by tests/unit/cuda_emu_host.h's reference),
+//  3. In the emulator (tests/unit/cuda_emu.h, the GEMMs by tests/unit/cuda_emu_host.h's reference),
 //     one step as the runtime would run it: the launches before the optimizer with every scale 1
 //     (calibration), their amaxes rolled by fp8_state_update, the scales and 1 / scales written into
 //     the region, the amaxes cleared, the step to its optimizer. Against the interpreter's step: the

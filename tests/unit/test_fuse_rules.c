@@ -1,4 +1,4 @@
-// test_fuse_rules.c: hand-built graphs for the refusals of compiler/fuse.c that no model in models/
+// test_fuse_rules.c: hand-built graphs for the refusals of compiler/passes/fuse.c that no model in models/
 // and no other test reaches (found by line and branch coverage of fuse.c over the unit tests and
 // `mdlc build` of every model). For each: the refusal fires, with the reason that the fusion dump
 // (fuse_dump, `mdlc -d F`) prints on its "not fused:" line, the steps come out as the rule says, and

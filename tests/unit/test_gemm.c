@@ -1,4 +1,4 @@
-// test_gemm.c: the GEMM library behind the CPU back end (runtime/gemm.c) against a naive loop in
+// test_gemm.c: the GEMM library behind the CPU back end (runtime/engine/gemm.c) against a naive loop in
 // double, for the transposes, leading dimensions, betas and sizes the emitter uses (odd ones too):
 // sgemm, and bgemm where the library has one (its operands bf16 values, so every product is exact
 // and only the order of the f32 sums differs). The test runs for the library chosen by default,

@@ -1,9 +1,9 @@
-// test_prelude: each prelude of the emitted modules (runtime/prelude.h, prelude_bf16.h, prelude.cuh) compiles
+// test_prelude: each prelude of the emitted modules (runtime/kernels/prelude.h, prelude_bf16.h, prelude.cuh) compiles
 // on its own, as mdlc embeds it, so that an error in one shows here without a model: the C ones with
 // cc -fsyntax-only and the warnings the C back end's tests ask for, the CUDA one with NVRTC for sm_80 and sm_90
 // without a warning. So do the kernel templates of prelude.cuh, instantiated as the emitter instantiates
 // them at shapes that cover their parameters (template_instances): with NVRTC, and as C++ with the CUDA
-// emulator (runtime/cuda_emu.h) as the emulated modules are compiled.
+// emulator (tests/unit/cuda_emu.h) as the emulated modules are compiled.
 #include "emit_common.h"
 #include "emit_cuda.h"
 #include "test.h"
@@ -165,26 +165,26 @@ static char *template_instances(void) {
 
 int main(void) {
   char why[1024];
-  CHECK(c_compiles_clean(ec_prelude_c, why, sizeof why), "prelude: runtime/prelude.h compiles as C11 without a warning",
+  CHECK(c_compiles_clean(ec_prelude_c, why, sizeof why), "prelude: runtime/kernels/prelude.h compiles as C11 without a warning",
         "%s", why);
   size_t n = strlen(ec_prelude_c), nb = strlen(ec_prelude_c_bf16);
   char *both = malloc(n + nb + 1);
   memcpy(both, ec_prelude_c, n);
   memcpy(both + n, ec_prelude_c_bf16, nb + 1);
   CHECK(c_compiles_clean(both, why, sizeof why),
-        "prelude: runtime/prelude_bf16.h after prelude.h compiles as C11 without a warning", "%s", why);
+        "prelude: runtime/kernels/prelude_bf16.h after prelude.h compiles as C11 without a warning", "%s", why);
   free(both);
 
   char *att = template_instances();
   if (system("g++ --version >/dev/null 2>&1") == 0)
     CHECK(compiles_clean("g++ -std=c++17 -O1 -fopenmp -c -o /dev/null -Wall -Wextra -Werror -Wno-unknown-pragmas "
-                         "-Wno-unused-parameter -Iruntime -include cuda_emu.h -x c++ %s", att, why, sizeof why),
+                         "-Wno-unused-parameter -Itests/unit -Iruntime/kernels -include cuda_emu.h -x c++ %s", att, why, sizeof why),
           "prelude: the kernel templates compile as C++ with the CUDA emulator without a warning", "%s", why);
   else
     printf("[skip] prelude: the kernel templates with the CUDA emulator: no g++\n");
 
   if (!nvrtc_available(why, sizeof why)) {
-    printf("[skip] prelude: runtime/prelude.cuh with NVRTC: %s\n", why);
+    printf("[skip] prelude: runtime/kernels/prelude.cuh with NVRTC: %s\n", why);
     free(att);
     TEST_EXIT();
   }
@@ -195,7 +195,7 @@ int main(void) {
       bool ok = nvrtc_compile(t ? att : ec_prelude_cuda, archs[i], &r, why, sizeof why);
       char name[160];
       snprintf(name, sizeof name, "prelude: %s with NVRTC for %s without a warning",
-               t ? "the kernel templates, instantiated, compile" : "runtime/prelude.cuh compiles", archs[i]);
+               t ? "the kernel templates, instantiated, compile" : "runtime/kernels/prelude.cuh compiles", archs[i]);
       CHECK(ok && !r.log, name, "%.600s", ok ? r.log : why);
       free(r.cubin);
       free(r.log);

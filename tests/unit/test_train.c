@@ -217,7 +217,7 @@ static void test_schedules(void) {
 // Muon under a schedule: 9 steps of muon(lr=0.02, weight_decay=0.1, adam_lr=A) with cosine(warmup=2,
 // min_lr=0.002, steps=7) on loss = sum(w * gw) + sum(v * gv) + sum(b * gb), so each gradient is an
 // input (g_t[i] = sin(1.3 t + 0.37 i^2) (1 + 0.1 i), f32, as test_interp.c's test_muon): w (3 x 5) and
-// v (5 x 3) take Muon, b AdamW. The rates come from rt_lr_at, as runtime/train.c sets them each step
+// v (5 x 3) take Muon, b AdamW. The rates come from rt_lr_at, as runtime/train/train.c sets them each step
 // and writes them to log.jsonl. The 15 values of w, of v and the 4 of b after the last step into out.
 static bool muon_schedule_run(double adam_lr, double out[3][15], double lr_at[10]) {
   char src[512];

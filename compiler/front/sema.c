@@ -2126,7 +2126,7 @@ static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
   }
 }
 
-// schedule = constant | linear | cosine | wsd, each NAME or NAME(warmup=, ...): runtime/schedule.c.
+// schedule = constant | linear | cosine | wsd, each NAME or NAME(warmup=, ...): runtime/train/schedule.c.
 static void schedule_setting(Sema *s, const Expr *e, TrainConfig *t) {
   static const Builtin kinds[] = {{"constant", 0, 0, {"warmup"}, NULL, OP_COUNT},
                                   {"linear", 0, 0, {"warmup", "min_lr", "steps"}, NULL, OP_COUNT},

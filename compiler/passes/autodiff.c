@@ -500,7 +500,7 @@ static int muon_ortho(Graph *g, const IrNode *p, int grad, int m, int gnorm) {
   // Without clipping the factor is gnorm * 0 + 1 (1, or NaN with a norm that is not finite, a step
   // skipped anyway): either way Muon reads its gradient only after the gradient norm, as every other
   // update does, so nothing reads a gradient before the norm's step (a data-parallel run reduces
-  // every gradient over the ranks there, runtime/engine.c's engine_grad_ranges).
+  // every gradient over the ranks there, runtime/engine/engine.c's engine_grad_ranges).
   int q = OP2(OP_ADD, OP2(OP_MUL, gnorm, K(0)), K(1));
   if (t->clip > 0) {
     double inf[IR_NFA] = {-INFINITY, 1};

@@ -1,7 +1,7 @@
-// emit_cuda.h: the CUDA back end's compiler side. emit_cuda (compiler/emit_cuda.c) turns a step plan
+// emit_cuda.h: the CUDA back end's compiler side. emit_cuda (compiler/emit/emit_cuda.c) turns a step plan
 // into one CUDA C++ translation unit plus a launch schedule; nvrtc.c compiles that text into cubins,
 // several programs at once each holding a share of its kernels (NVRTC loaded at run time, never
-// linked), and caches them on disk. runtime/cuda.c reads a CudaPlan and runs it: it needs no parsing
+// linked), and caches them on disk. runtime/engine/cuda.c reads a CudaPlan and runs it: it needs no parsing
 // of the generated text.
 //
 // The device arena is MemPlan's arena followed by step-local scratch (reduction partials, attention

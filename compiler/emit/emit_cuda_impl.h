@@ -1,5 +1,5 @@
 // emit_cuda_impl.h: what the files of the CUDA emitter share (names prefixed cu_): its constants, its
-// state Emit, and the functions one file calls in another. runtime/emit_cuda.h is the emitter's
+// state Emit, and the functions one file calls in another. compiler/emit/emit_cuda.h is the emitter's
 // interface; emit_common.h says which file does what.
 #ifndef EMIT_CUDA_IMPL_H
 #define EMIT_CUDA_IMPL_H

@@ -47,8 +47,8 @@ void ec_grow(void *p, int n, int *cap, size_t size); // grows *p (*cap elements 
 
 //
 // The preludes every emitted module starts with, as the text of their files (NUL-terminated),
-// embedded by tools/embed.c into build/preludes.c: runtime/prelude.h (C), runtime/prelude_bf16.h
-// (C, after prelude.h in graphs that hold bf16 values) and runtime/prelude.cuh (CUDA).
+// embedded by tools/embed.c into build/preludes.c: runtime/kernels/prelude.h (C), runtime/kernels/prelude_bf16.h
+// (C, after prelude.h in graphs that hold bf16 values) and runtime/kernels/prelude.cuh (CUDA).
 //
 
 extern const char ec_prelude_c[], ec_prelude_c_bf16[], ec_prelude_fp8[], ec_prelude_c_fp8[], ec_prelude_cuda[];

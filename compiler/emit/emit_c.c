@@ -1,5 +1,5 @@
 // emit_c.c: the C emitter. It turns the step plan (a Fusion and its MemPlan) into one translation unit
-// of C11 + OpenMP for the whole training step: a prelude of helpers (runtime/prelude.h), one function
+// of C11 + OpenMP for the whole training step: a prelude of helpers (runtime/kernels/prelude.h), one function
 // per step, mdl_step calling them in order, and a table of kernels the runtime can time one by one.
 // This file holds the emitter's state, buffers, the inline evaluator, elementwise loops, row loops,
 // GEMMs and the steps; the other loop families are in emit_c_rows.c, emit_c_lmhead.c, emit_c_attn.c
@@ -53,7 +53,7 @@
 // per buffer and group): products of bf16 values are exact in f32 and sums accumulate in f32, as on
 // a GPU's bf16 tensor cores. Its f32 result never goes into a bf16 buffer. The LM head widens x and W
 // once for all its chunks and rounds dlogits to bf16 values before its backward GEMMs. The prelude's
-// bf16 helpers (runtime/prelude_bf16.h) are emitted only for graphs that hold bf16 values, so fp32 code is unchanged.
+// bf16 helpers (runtime/kernels/prelude_bf16.h) are emitted only for graphs that hold bf16 values, so fp32 code is unchanged.
 //
 // What does not depend on the target (where values are, groups and their order, lines and scopes,
 // the index maps of the evaluator) is in emit_common.c, whose state EmitCore this emitter embeds as

@@ -1,6 +1,6 @@
 // front.h: the front end's private declarations: source spans, the AST the parser builds, and
 // the glue between the flex scanner (grammar/mdl.l), the bison parser (grammar/mdl.y) and
-// semantic analysis (compiler/sema.c). Public entry points live in mdl.h ("front end").
+// semantic analysis (compiler/front/sema.c). Public entry points live in mdl.h ("front end").
 #ifndef MDL_FRONT_H
 #define MDL_FRONT_H
 

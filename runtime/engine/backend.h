@@ -1,4 +1,4 @@
-// backend.h: the compiled CPU back end. emit_c (compiler/emit_c.c) turns a step plan into one C
+// backend.h: the compiled CPU back end. emit_c (compiler/emit/emit_c.c) turns a step plan into one C
 // translation unit; cpu.c compiles it into a cached shared object, loads it, and moves data between
 // the arena it runs on and the rest of the program (the interpreter, inputs, the lr/step scalars).
 //

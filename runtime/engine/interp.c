@@ -21,13 +21,13 @@
 //                                              u2 = mdl_rng_uniform(seed, k + 1000, 2i + 1).
 //
 // fp8 (precision fp8): a CAST to fp8 multiplies by its tensor's scale, rounds with the prelude's
-// conversions (runtime/prelude_fp8.h, the device's bit for bit) and keeps the code's value; it records
+// conversions (runtime/kernels/prelude_fp8.h, the device's bit for bit) and keeps the code's value; it records
 // max |x| as it goes. A MATMUL of fp8 operands sums their products and multiplies by 1 / (scale_a
 // scale_b). A whole step (interp_run to the end) first calibrates when no step was recorded yet (the
 // graph up to its first optimizer node with every scale 1: amaxes only, nothing written), and ends
 // with fp8_state_update; a non-finite amax makes the gradient norm NaN, so that the optimizer skips the
 // step as it skips a non-finite loss, and the runtime names the tensor (interp_fp8). The training
-// engine (runtime/engine.c) runs the same step in parts with interp_run_nodes instead, so that the
+// engine (runtime/engine/engine.c) runs the same step in parts with interp_run_nodes instead, so that the
 // ranks' and the micro-batches' amaxes join the step's before the gradient norm checks them.
 #include "mdl.h"
 

@@ -1,7 +1,7 @@
 // cuda_emu.h: runs CUDA kernels on the CPU, so that the kernels mdlc emits can be tested on machines
 // without a GPU (in the spirit of tinygrad's emulator). Include it before an emitted .cu file and
 // compile the pair as C++17 with g++ (-fopenmp runs blocks on several cores):
-//   g++ -std=c++17 -O1 -fopenmp -include runtime/cuda_emu.h model.cu ...
+//   g++ -std=c++17 -O1 -fopenmp -include tests/unit/cuda_emu.h model.cu ...
 // and launch a kernel with mdl_emu::run(grid, block, body, ctx), where body(ctx) calls it once for
 // the current thread.
 //

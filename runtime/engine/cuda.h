@@ -1,4 +1,4 @@
-// cuda.h: the CUDA back end's runtime (runtime/cuda.c): finding a GPU through the driver (loaded
+// cuda.h: the CUDA back end's runtime (runtime/engine/cuda.c): finding a GPU through the driver (loaded
 // with dlopen, never linked), and the Engine that runs a training step on it as one CUDA Graph of
 // NVRTC-compiled kernels and cuBLASLt GEMMs.
 #ifndef MDL_CUDA_H
