@@ -402,7 +402,6 @@ bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads, in
                        int64_t window);
 bool ir_validate(const Graph *g, char *why, size_t n); // false with a reason when broken
 void ir_dump(const Graph *g, FILE *f);
-const char *op_name(Op op);
 // The kv heads of an ATTENTION, ATTENTION_LSE or ATTENTION_BWD node (ia[5], 0 meaning one per head).
 static inline int64_t att_kv_heads(const IrNode *n) { return n->ia[5] ? n->ia[5] : n->ia[0]; }
 // The (query, key) pairs attention over t queries and s keys computes per head, as the FLOP counts
@@ -427,6 +426,14 @@ static inline int opt_gnorm(const IrNode *n) { return n->in[n->nin - 3]; }
 static inline int opt_lr(const IrNode *n) { return n->in[n->nin - 2]; }
 static inline int opt_step(const IrNode *n) { return n->in[n->nin - 1]; }
 static inline double opt_lr_scale(const IrNode *n) { return n->fa[5] > 0 ? n->fa[5] : 1; } // (0 stands for 1)
+int64_t ir_param_count(const Graph *g);
+// A forward graph for evaluation and sampling: every dropout keeps everything (p = 0).
+void ir_eval_mode(Graph *g);
+
+//
+// types.c: what the IR's types say of themselves; the runtime reads the IR through these.
+//
+const char *op_name(Op op);
 const char *opt_rule_name(OptRule r); // "adamw", "sgd", "lion", "muon"
 int opt_rule_moments(OptRule r, double momentum); // the moments a parameter keeps: 2, 1 or 0
 const char *dtype_name(DType dt);
@@ -440,10 +447,7 @@ Shape shape_of(int rank, const int64_t *d);
 // Offset into a tensor of shape `in` of the element that broadcasting maps to flat index idx of a
 // tensor of shape `out` (numpy rules: axes aligned on the right, size-1 and missing axes repeat).
 int64_t shape_bcast_offset(Shape out, Shape in, int64_t idx);
-int64_t ir_param_count(const Graph *g);
 int64_t ir_dim(const Graph *g, const char *name); // a dim's bound value, -1 when there is none
-// A forward graph for evaluation and sampling: every dropout keeps everything (p = 0).
-void ir_eval_mode(Graph *g);
 
 //
 // front end (grammar/mdl.l, grammar/mdl.y, compiler/front/sema.c): .mdl text to the forward graph.
