@@ -518,8 +518,9 @@ void interp_set_seed(Interp *it, uint64_t seed);                 // dropout mask
 // Decode mode, for text generation with a KV cache. With max_len > 0, each ATTENTION node of a
 // graph compiled for one token (B = T = 1) appends its k and v rows to a cache of its own (max_len
 // rows, allocated on first use) at the position set by interp_set_decode_pos before each run, and
-// attends its q over cache rows [0, pos]: causal, one document (doc ids are not read). max_len 0
-// turns decode mode off. interp_set_decode drops the caches and sets the position to 0.
+// attends its q over cache rows [0, pos]: causal, one document (doc ids are not read); every
+// DROPOUT keeps everything (p = 0, as ir_eval_mode sets it). max_len 0 turns decode mode off.
+// interp_set_decode drops the caches and sets the position to 0.
 void interp_set_decode(Interp *it, int64_t max_len);
 void interp_set_decode_pos(Interp *it, int64_t pos);
 // Runs nodes [0, end) (end = g->n runs the whole step). Returns false with a message on error.

@@ -14,6 +14,7 @@
 // ATTENTION node keeps a cache of the k and v rows of every position fed so far and attends the
 // new q over it. Row p of that computation is done in the same order as row p of a full sequence
 // (masked positions add exact zeros there), so decode mode reproduces the full forward's values.
+// Decoding evaluates the model: its dropouts keep everything, as in a graph put in eval mode.
 //
 // Parameter initialisation is deterministic and shared with every back end: element i of the
 // parameter with index k in Graph.params, INIT_NORMAL(std), is
@@ -307,7 +308,7 @@ static void run_binary(Ctx *c) {
 }
 
 static void run_dropout(Ctx *c) {
-  double p = c->nd->fa[0];
+  double p = c->it->decode_len ? 0 : c->nd->fa[0];
   uint64_t stream = (uint64_t)c->nd->ia[0];
   for (int64_t i = 0; i < c->n; i++)
     c->y[i] = mdl_rng_uniform(c->it->seed, stream, (uint64_t)i) >= p ? c->x[0][i] / (1 - p) : 0;
