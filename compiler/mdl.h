@@ -450,6 +450,18 @@ int64_t shape_bcast_offset(Shape out, Shape in, int64_t idx);
 int64_t ir_dim(const Graph *g, const char *name); // a dim's bound value, -1 when there is none
 
 //
+// scalar.c: the IR's elementwise ops at one number, shared by the interpreter and constant evaluation.
+//
+// An elementwise unary op (NEG ... SILU) at one number: also the front end's constant folding.
+double interp_unary(Op op, double x);
+double interp_compare(int64_t rel, double a, double b); // 1 where a REL b holds (Compare), else 0
+// Arithmetic on i32 values: op (NEG, ABS, ADD, SUB, MUL, FLOORDIV, MOD) at a and b (b unused by the
+// unary ones), wrapping around modulo 2^32 as the compiled code's does.
+int32_t interp_i32(Op op, int32_t a, int32_t b);
+// x as int(x) converts it: toward zero, saturating at the i32 range, NaN to 0.
+int32_t interp_to_i32(double x);
+
+//
 // front end (grammar/mdl.l, grammar/mdl.y, compiler/front/sema.c): .mdl text to the forward graph.
 //
 typedef struct {
@@ -531,14 +543,6 @@ const double *interp_value(Interp *it, int node); // after interp_run
 typedef struct Fp8State Fp8State;
 Fp8State *interp_fp8(Interp *it);
 int64_t interp_numel(Interp *it, int node);
-// An elementwise unary op (NEG ... SILU) at one number: also the front end's constant folding.
-double interp_unary(Op op, double x);
-double interp_compare(int64_t rel, double a, double b); // 1 where a REL b holds (Compare), else 0
-// Arithmetic on i32 values: op (NEG, ABS, ADD, SUB, MUL, FLOORDIV, MOD) at a and b (b unused by the
-// unary ones), wrapping around modulo 2^32 as the compiled code's does.
-int32_t interp_i32(Op op, int32_t a, int32_t b);
-// x as int(x) converts it: toward zero, saturating at the i32 range, NaN to 0.
-int32_t interp_to_i32(double x);
 
 //
 // precision.c: the precision pass. Rewrites a training graph so that every MATMUL reads its
