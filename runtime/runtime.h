@@ -186,7 +186,7 @@ struct Engine {
   // and write (the GPU's moments stay whole in its arena).
   bool (*gather_moments)(Engine *e, int64_t step, char *err, size_t n);
   double reduce_seconds;
-  // Precision fp8: the scales and amax histories (mdl.h), which checkpoints save and restore and which
+  // Precision fp8: the scales and amax histories (fp8_state.h), which checkpoints save and restore and which
   // name the tensor of a non-finite amax; NULL where the graph has no fp8 tensor.
   Fp8State *(*fp8)(Engine *e);
   // Precision fp8 beyond one pass of one process (NULL where the graph has no fp8 tensor, or where

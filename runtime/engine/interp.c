@@ -30,6 +30,7 @@
 // step as it skips a non-finite loss, and the runtime names the tensor (interp_fp8). The training
 // engine (runtime/engine/engine.c) runs the same step in parts with interp_run_nodes instead, so that the
 // ranks' and the micro-batches' amaxes join the step's before the gradient norm checks them.
+#include "fp8_state.h"
 #include "mdl.h"
 
 #include <math.h>
@@ -49,7 +50,7 @@ struct Interp {
   int64_t decode_len; // decode mode: rows of each attention cache; 0 when off
   int64_t decode_pos; // decode mode: the position of this run's token
   double **cache;     // decode mode, per ATTENTION node: its k rows then its v rows, decode_len x C each
-  Fp8State fp8;       // precision fp8: the scales and amax histories (mdl.h)
+  Fp8State fp8;       // precision fp8: the scales and amax histories (fp8_state.h)
 };
 
 static void *icalloc(size_t n, size_t size) {
