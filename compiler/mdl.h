@@ -402,7 +402,6 @@ bool ir_attention_fits(Graph *g, int q, int k, int v, int doc, int64_t heads, in
                        int64_t window);
 bool ir_validate(const Graph *g, char *why, size_t n); // false with a reason when broken
 void ir_dump(const Graph *g, FILE *f);
-const char *op_name(Op op);
 // The kv heads of an ATTENTION, ATTENTION_LSE or ATTENTION_BWD node (ia[5], 0 meaning one per head).
 static inline int64_t att_kv_heads(const IrNode *n) { return n->ia[5] ? n->ia[5] : n->ia[0]; }
 // The (query, key) pairs attention over t queries and s keys computes per head, as the FLOP counts
@@ -427,6 +426,14 @@ static inline int opt_gnorm(const IrNode *n) { return n->in[n->nin - 3]; }
 static inline int opt_lr(const IrNode *n) { return n->in[n->nin - 2]; }
 static inline int opt_step(const IrNode *n) { return n->in[n->nin - 1]; }
 static inline double opt_lr_scale(const IrNode *n) { return n->fa[5] > 0 ? n->fa[5] : 1; } // (0 stands for 1)
+int64_t ir_param_count(const Graph *g);
+// A forward graph for evaluation and sampling: every dropout keeps everything (p = 0).
+void ir_eval_mode(Graph *g);
+
+//
+// types.c: what the IR's types say of themselves; the runtime reads the IR through these.
+//
+const char *op_name(Op op);
 const char *opt_rule_name(OptRule r); // "adamw", "sgd", "lion", "muon"
 int opt_rule_moments(OptRule r, double momentum); // the moments a parameter keeps: 2, 1 or 0
 const char *dtype_name(DType dt);
@@ -440,10 +447,19 @@ Shape shape_of(int rank, const int64_t *d);
 // Offset into a tensor of shape `in` of the element that broadcasting maps to flat index idx of a
 // tensor of shape `out` (numpy rules: axes aligned on the right, size-1 and missing axes repeat).
 int64_t shape_bcast_offset(Shape out, Shape in, int64_t idx);
-int64_t ir_param_count(const Graph *g);
 int64_t ir_dim(const Graph *g, const char *name); // a dim's bound value, -1 when there is none
-// A forward graph for evaluation and sampling: every dropout keeps everything (p = 0).
-void ir_eval_mode(Graph *g);
+
+//
+// scalar.c: the IR's elementwise ops at one number, shared by the interpreter and constant evaluation.
+//
+// An elementwise unary op (NEG ... SILU) at one number: also the front end's constant folding.
+double interp_unary(Op op, double x);
+double interp_compare(int64_t rel, double a, double b); // 1 where a REL b holds (Compare), else 0
+// Arithmetic on i32 values: op (NEG, ABS, ADD, SUB, MUL, FLOORDIV, MOD) at a and b (b unused by the
+// unary ones), wrapping around modulo 2^32 as the compiled code's does.
+int32_t interp_i32(Op op, int32_t a, int32_t b);
+// x as int(x) converts it: toward zero, saturating at the i32 range, NaN to 0.
+int32_t interp_to_i32(double x);
 
 //
 // front end (grammar/mdl.l, grammar/mdl.y, compiler/front/sema.c): .mdl text to the forward graph.
@@ -514,8 +530,9 @@ void interp_set_seed(Interp *it, uint64_t seed);                 // dropout mask
 // Decode mode, for text generation with a KV cache. With max_len > 0, each ATTENTION node of a
 // graph compiled for one token (B = T = 1) appends its k and v rows to a cache of its own (max_len
 // rows, allocated on first use) at the position set by interp_set_decode_pos before each run, and
-// attends its q over cache rows [0, pos]: causal, one document (doc ids are not read). max_len 0
-// turns decode mode off. interp_set_decode drops the caches and sets the position to 0.
+// attends its q over cache rows [0, pos]: causal, one document (doc ids are not read); every
+// DROPOUT keeps everything (p = 0, as ir_eval_mode sets it). max_len 0 turns decode mode off.
+// interp_set_decode drops the caches and sets the position to 0.
 void interp_set_decode(Interp *it, int64_t max_len);
 void interp_set_decode_pos(Interp *it, int64_t pos);
 // Runs nodes [0, end) (end = g->n runs the whole step). Returns false with a message on error.
@@ -526,14 +543,6 @@ const double *interp_value(Interp *it, int node); // after interp_run
 typedef struct Fp8State Fp8State;
 Fp8State *interp_fp8(Interp *it);
 int64_t interp_numel(Interp *it, int node);
-// An elementwise unary op (NEG ... SILU) at one number: also the front end's constant folding.
-double interp_unary(Op op, double x);
-double interp_compare(int64_t rel, double a, double b); // 1 where a REL b holds (Compare), else 0
-// Arithmetic on i32 values: op (NEG, ABS, ADD, SUB, MUL, FLOORDIV, MOD) at a and b (b unused by the
-// unary ones), wrapping around modulo 2^32 as the compiled code's does.
-int32_t interp_i32(Op op, int32_t a, int32_t b);
-// x as int(x) converts it: toward zero, saturating at the i32 range, NaN to 0.
-int32_t interp_to_i32(double x);
 
 //
 // precision.c: the precision pass. Rewrites a training graph so that every MATMUL reads its
@@ -549,36 +558,9 @@ bool precision_assign(Graph *g, DType gemm, char *why, size_t n);
 // which GEMMs read fp8 operands); false for any other name.
 bool precision_parse(const char *name, DType *out);
 
-// Delayed scaling (precision fp8): the state every back end keeps beside the parameters, saved in
-// checkpoints. Per scaled tensor i (Graph.fp8[i]): scale[i], the power of two its CAST multiplies by
-// this step, and hist[i * H + j], the amax of the step j + 1 steps ago (H = amax_history). A step
-// records each tensor's amax (amax[i]); fp8_state_update then rolls it into the history and sets the
-// scales. recorded counts the steps in the histories (at most H): 0 before the first step, whose
-// amaxes are unknown, so that step is run twice (fp8 calibration): once with every scale 1, to record
-// them, its update skipped; then with the scales they give. No NaN reaches a history: a step with a
-// non-finite amax, or one whose scale falls below FP8_MIN_SCALE, is reported and skipped whole.
-enum { FP8_MARGIN = 1 };           // scales leave a factor 2^FP8_MARGIN of room for growth between steps
-#define FP8_MAX_EXP 63             // scales lie in [2^-63, 2^63]: 1 / (scale_a scale_b) is a normal float
-struct Fp8State {
-  int n, H;
-  float *scale, *hist, *amax; // n, n * H, n
-  int64_t recorded;
-};
-void fp8_state_init(Fp8State *st, const Graph *g); // all scales 1, histories empty (malloc'd)
-void fp8_state_free(Fp8State *st);
-// The largest finite value of an fp8 format.
-double fp8_max(DType fmt);
-// The scale of a tensor of format fmt whose amax history peaks at amax (finite, >= 0):
-// 2^(floor(log2(fp8_max / amax)) - FP8_MARGIN), clamped to [2^-FP8_MAX_EXP, 2^FP8_MAX_EXP] (amax 0:
-// the largest); *low set when the clamp raised it (a value beyond what a scale can bring in range).
-float fp8_scale(DType fmt, double amax, bool *low);
-// The end of a step: each amax rolled into its history (newest first), each scale recomputed from its
-// history's maximum. False, with nothing changed, when an amax is not finite or a scale is clamped
-// from below: `why` names the tensor (its .mdl name and line) and the value.
-bool fp8_state_update(Fp8State *st, const Graph *g, char *why, size_t n);
-// "amax of h.0.fc's input (line 30) is inf": the first non-finite or unscalable amax of this step, or
-// false when there is none.
-bool fp8_state_check(const Fp8State *st, const Graph *g, char *why, size_t n);
+// Delayed scaling (precision fp8; its state and rule: runtime/engine/fp8_state.h): each scale leaves a
+// factor 2^FP8_MARGIN of room for growth between steps (the dumps print it with the policy).
+enum { FP8_MARGIN = 1 };
 
 //
 // safetensors.c: read and write safetensors files (parameters, gradients, batches).

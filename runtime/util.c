@@ -1,6 +1,6 @@
 // util.c: the small pieces the runtime's files share: error messages into a caller's buffer, a
 // monotonic clock, a parallel loop, the module cache's folder, and files written atomically.
-#include "runtime.h"
+#include "rt_util.h"
 
 #include <errno.h>
 #include <math.h>

@@ -11,7 +11,7 @@
 // examples (--val-fraction, as prep's), chosen by a permutation of a fixed seed so that every run and
 // `mdlc eval` on the dataset hold out the same ones, each split kept in the file's order.
 #include "data.h"
-#include "runtime.h"
+#include "rt_util.h"
 
 #include <dirent.h>
 #include <limits.h>

@@ -268,6 +268,12 @@ void prep_defaults(PrepOptions *o); // vocab 256, "text", 0.05, 100,000,000 toke
 int prep_run(const PrepOptions *o);
 
 //
+// permute.c: the shuffled order of an epoch, found without a table (shard and array loaders alike).
+//
+// The bijection of [0, n) that shuffles an epoch, chosen by (seed, epoch): a 4-round Feistel network.
+int64_t loader_permute(uint64_t seed, int64_t epoch, int64_t n, int64_t i);
+
+//
 // loader.c: batches from the shards of one split, prepared one ahead by a background thread; or
 // the same batches from the text the shards were made from, tokenised as each batch is drawn.
 //
@@ -324,8 +330,6 @@ bool loader_seek(Loader *l, LoaderState s);
 int64_t loader_rows(const Loader *l);   // windows (packed), documents (padded) or examples per epoch
 int64_t loader_tokens(const Loader *l); // tokens in the split (array datasets: examples)
 void loader_close(Loader *l);
-// The bijection of [0, n) that shuffles an epoch, chosen by (seed, epoch): a 4-round Feistel network.
-int64_t loader_permute(uint64_t seed, int64_t epoch, int64_t n, int64_t i);
 
 //
 // npy.c: numpy's .npy files and .npz archives of them, read whole and strictly (errors name the

@@ -5,9 +5,9 @@
 // an epoch every token is an input once and a target once, and documents share rows with their
 // boundaries marked by doc ids and positions), or one document (padded: the document from its
 // EOS, cut to T tokens, then EOS padding with target -1 and doc id 1). An epoch visits every
-// window or document once, in order or in a permutation made from the seed and the epoch: a
-// 4-round Feistel network over the next power of four, cycle-walked into range. It needs no
-// table, so seeking to any (epoch, position) is O(1) and a resumed run sees the same batches.
+// window or document once, in order or in a permutation made from the seed and the epoch
+// (loader_permute, permute.c), so seeking to any (epoch, position) is O(1) and a resumed run sees
+// the same batches.
 // Rows run across epoch ends: a batch may finish one epoch and start the next.
 //
 // A worker thread prepares the next batch while the caller uses the current one: two buffers,
@@ -74,24 +74,6 @@ static bool copy_stream(const Loader *l, int64_t start, int64_t n, int32_t *dst)
     n -= m;
   }
   return true;
-}
-
-int64_t loader_permute(uint64_t seed, int64_t epoch, int64_t n, int64_t i) {
-  int half = 1;
-  while ((int64_t)1 << (2 * half) < n)
-    half++;
-  uint64_t mask = ((uint64_t)1 << half) - 1, x = (uint64_t)i;
-  do {
-    uint64_t left = x >> half, right = x & mask;
-    for (uint64_t round = 0; round < 4; round++) {
-      uint64_t f = mdl_rng_u64(seed, 0x6c6f61646572ull ^ ((uint64_t)epoch << 2 | round), right) & mask;
-      uint64_t next = left ^ f;
-      left = right;
-      right = next;
-    }
-    x = left << half | right;
-  } while (x >= (uint64_t)n);
-  return (int64_t)x;
 }
 
 static bool fill_packed_row(Loader *l, int64_t w, int32_t *tokens, int32_t *targets, int32_t *pos, int32_t *doc) {

@@ -7,7 +7,7 @@
 // or structured dtype, Fortran order, bytes after the data, a zip64 archive) is refused with the
 // file, the array and the reason named.
 #include "data.h"
-#include "runtime.h"
+#include "rt_util.h"
 
 #include <errno.h>
 #include <stdarg.h>

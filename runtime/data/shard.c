@@ -7,7 +7,7 @@
 // on disk. The reader maps the file and checks every token against the model's vocabulary up
 // front: one sequential pass over memory that is about to be read anyway.
 #include "data.h"
-#include "runtime.h"
+#include "rt_util.h"
 
 #include <dirent.h>
 #include <errno.h>

@@ -15,7 +15,6 @@
 // Documents by index (padded rows) skip the documents before them without encoding them, or, with
 // an index of where each starts (made at open, for shuffled rows), jump there.
 #include "data.h"
-#include "runtime.h"
 
 #include <limits.h>
 #include <stdlib.h>

@@ -50,13 +50,14 @@
 // device time is added to its plan step's Engine.kernel_seconds, and kept per launch for
 // Engine.profile_launches (the launches inside the plan steps that make several). Precision fp8
 // (fp8_step) cuts the step in two graphs at the optimizer's first launch: the host reads the amaxes
-// between them and keeps the delayed scaling's state (precision.c), as the CPU engine does; there
+// between them and keeps the delayed scaling's state (fp8_state.c), as the CPU engine does; there
 // the runtime raises them to its micro-batches' and ranks' (Engine.set_fp8_amax, on the host: the
 // ranks are MPI processes), and a micro-batches' engine casts with the step engine's scales and only
 // records its amaxes (Engine.set_fp8_lead).
 #include "cuda.h"
 #include "backend.h"
 #include "emit_cuda.h"
+#include "fp8_state.h"
 
 #include <dlfcn.h>
 #include <math.h>

@@ -3,6 +3,7 @@
 //   interp: the reference interpreter (fp32 or fp64), op by op;
 //   cpu:    the plan fused, emitted as C, compiled with cc, cached and dlopen'd.
 #include "backend.h"
+#include "fp8_state.h"
 #include "runtime.h"
 
 #include <math.h>
@@ -43,7 +44,7 @@ bool param_draw_now(ParamDraw *d, bool (*draw)(void *ctx, int k), void *ctx) {
 void param_draw_free(ParamDraw *d) { free(d->pending); }
 
 //
-// Precision fp8's step (delayed scaling, mdl.h's Fp8State), the same for every CPU engine.
+// Precision fp8's step (delayed scaling, fp8_state.h's Fp8State), the same for every CPU engine.
 //
 // Engine.set_fp8_amax's and set_fp8_lead's settings.
 typedef struct {

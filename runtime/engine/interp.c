@@ -14,6 +14,7 @@
 // ATTENTION node keeps a cache of the k and v rows of every position fed so far and attends the
 // new q over it. Row p of that computation is done in the same order as row p of a full sequence
 // (masked positions add exact zeros there), so decode mode reproduces the full forward's values.
+// Decoding evaluates the model: its dropouts keep everything, as in a graph put in eval mode.
 //
 // Parameter initialisation is deterministic and shared with every back end: element i of the
 // parameter with index k in Graph.params, INIT_NORMAL(std), is
@@ -29,6 +30,7 @@
 // step as it skips a non-finite loss, and the runtime names the tensor (interp_fp8). The training
 // engine (runtime/engine/engine.c) runs the same step in parts with interp_run_nodes instead, so that the
 // ranks' and the micro-batches' amaxes join the step's before the gradient norm checks them.
+#include "fp8_state.h"
 #include "mdl.h"
 
 #include <math.h>
@@ -48,7 +50,7 @@ struct Interp {
   int64_t decode_len; // decode mode: rows of each attention cache; 0 when off
   int64_t decode_pos; // decode mode: the position of this run's token
   double **cache;     // decode mode, per ATTENTION node: its k rows then its v rows, decode_len x C each
-  Fp8State fp8;       // precision fp8: the scales and amax histories (mdl.h)
+  Fp8State fp8;       // precision fp8: the scales and amax histories (fp8_state.h)
 };
 
 static void *icalloc(size_t n, size_t size) {
@@ -191,32 +193,9 @@ static bool fail(Ctx *c, const char *fmt, ...) {
   return false;
 }
 
-static double gelu(double x) {
-  return 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
-}
-
 static double gelu_grad(double x) {
   double k = sqrt(2 / M_PI), t = tanh(k * (x + 0.044715 * x * x * x));
   return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x);
-}
-
-static double sigmoid(double x) { return 1 / (1 + exp(-x)); }
-
-double interp_unary(Op op, double x) {
-  switch (op) {
-  case OP_NEG: return -x;
-  case OP_EXP: return exp(x);
-  case OP_LOG: return log(x);
-  case OP_TANH: return tanh(x);
-  case OP_SQRT: return sqrt(x);
-  case OP_RSQRT: return 1 / sqrt(x);
-  case OP_RELU: return x > 0 ? x : 0;
-  case OP_GELU: return gelu(x);
-  case OP_SIGMOID: return sigmoid(x);
-  case OP_ABS: return fabs(x);
-  case OP_STOP_GRADIENT: return x;
-  default: return x * sigmoid(x); // OP_SILU
-  }
 }
 
 static double binary(Op op, double a, double b) {
@@ -231,53 +210,10 @@ static double binary(Op op, double a, double b) {
   case OP_RELU_BWD: return a > 0 ? b : 0;
   case OP_GELU_BWD: return gelu_grad(a) * b;
   default: { // OP_SILU_BWD
-    double s = sigmoid(a);
+    double s = interp_unary(OP_SIGMOID, a);
     return b * s * (1 + a * (1 - s));
   }
   }
-}
-
-double interp_compare(int64_t rel, double a, double b) {
-  switch (rel) {
-  case CMP_LT: return a < b;
-  case CMP_LE: return a <= b;
-  case CMP_GT: return a > b;
-  case CMP_GE: return a >= b;
-  case CMP_EQ: return a == b;
-  default: return a != b;
-  }
-}
-
-int32_t interp_i32(Op op, int32_t a, int32_t b) {
-  uint32_t ua = (uint32_t)a, ub = (uint32_t)b;
-  switch (op) {
-  case OP_NEG: return (int32_t)(0u - ua);
-  case OP_ABS: return a < 0 ? (int32_t)(0u - ua) : a;
-  case OP_ADD: return (int32_t)(ua + ub);
-  case OP_SUB: return (int32_t)(ua - ub);
-  case OP_MUL: return (int32_t)(ua * ub);
-  case OP_FLOORDIV: case OP_MOD: {
-    if (b == 0)
-      return 0;
-    int64_t q = (int64_t)a / b, r = (int64_t)a % b;
-    if (r != 0 && (r < 0) != (b < 0)) {
-      q--;
-      r += b;
-    }
-    return (int32_t)(uint32_t)(op == OP_FLOORDIV ? q : r); // INT32_MIN // -1 wraps to INT32_MIN
-  }
-  default: return a;
-  }
-}
-
-int32_t interp_to_i32(double x) {
-  if (x != x)
-    return 0;
-  if (x >= 2147483647.0)
-    return INT32_MAX;
-  if (x <= -2147483648.0)
-    return INT32_MIN;
-  return (int32_t)x;
 }
 
 // Integer arithmetic on i32 values (exact in doubles), broadcast as the float ops.
@@ -307,7 +243,7 @@ static void run_binary(Ctx *c) {
 }
 
 static void run_dropout(Ctx *c) {
-  double p = c->nd->fa[0];
+  double p = c->it->decode_len ? 0 : c->nd->fa[0];
   uint64_t stream = (uint64_t)c->nd->ia[0];
   for (int64_t i = 0; i < c->n; i++)
     c->y[i] = mdl_rng_uniform(c->it->seed, stream, (uint64_t)i) >= p ? c->x[0][i] / (1 - p) : 0;

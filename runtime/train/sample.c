@@ -254,7 +254,6 @@ static bool open_from(Sampler *s, Arena *file_arena) {
     if (!st_expect(&f, s->path, prefix, s->g->nodes[s->g->params[k]]))
       return false;
   checkpoint_dims_note(s->path, &m, s->g, "sampling");
-  ir_eval_mode(s->g);
   s->it = interp_new(s->g, INTERP_F32);
   if (!load_params(s, &f, m.source))
     return false;

@@ -28,6 +28,7 @@
 // checkpoint says mdl.precision. A resumed fp8 run continues with them bit for bit; a checkpoint
 // without them (another precision), or with another model's, is refused for it.
 #include "data.h"
+#include "fp8_state.h"
 #include "runtime.h"
 
 #include <errno.h>

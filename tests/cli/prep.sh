@@ -39,7 +39,7 @@ int main(int argc, char **argv) {
 }
 EOF
   if ! ${CC:-cc} -std=c11 -D_GNU_SOURCE -O1 $(for d in compiler compiler/*/ runtime runtime/*/; do printf -- "-I%s " "${d%/}"; done) -o "$tmp/prep" "$tmp/driver.c" runtime/data/tokenizer.c \
-      runtime/data/shard.c runtime/data/loader.c runtime/data/corpus.c runtime/data/prep.c compiler/base/diag.c -lm -lpthread 2>"$tmp/cc.err"; then
+      runtime/data/shard.c runtime/data/loader.c runtime/data/permute.c runtime/data/corpus.c runtime/data/prep.c compiler/base/diag.c -lm -lpthread 2>"$tmp/cc.err"; then
     echo "[fail] prep: cannot build the stand-in driver: $(head -c 300 "$tmp/cc.err")"
     exit 1
   fi

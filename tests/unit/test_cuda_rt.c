@@ -741,6 +741,7 @@ int cublasLtMatmul(void *, Desc *d, const float *alpha, const void *A, Layout *a
 #include "backend.h"
 #include "cuda.h"
 #include "emit_cuda.h"
+#include "fp8_state.h"
 #include "runtime.h"
 #include "test.h"
 #include "draw_checks.h"

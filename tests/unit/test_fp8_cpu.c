@@ -23,6 +23,7 @@
 #include "mdl.h"
 #include "backend.h"
 #include "cuda.h"
+#include "fp8_state.h"
 #include "runtime.h"
 #include "test.h"
 

@@ -13,6 +13,7 @@
 #include "mdl.h"
 #include "backend.h"
 #include "emit_cuda.h"
+#include "fp8_state.h"
 #include "test.h"
 #include "cuda_emu_host.h"
 

@@ -447,6 +447,10 @@ static void test_dropout(void) {
   interp_set_seed(it, 10);
   run(it);
   CHECK(maxdiff(first, interp_value(it, d), 64) > 0, "another seed, another mask", "same mask");
+  // Decode mode (sampling) evaluates: every element kept, unscaled, as under ir_eval_mode's p = 0.
+  interp_set_decode(it, 4);
+  run(it);
+  CHECK(maxdiff(xv, interp_value(it, d), 10000) == 0, "decode mode: dropout keeps everything", "a mask applied");
   interp_free(it);
 }
 

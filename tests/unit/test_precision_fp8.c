@@ -20,6 +20,7 @@
 //     an old peak forgotten after H steps, nothing changed by a non-finite amax.
 // (An activation that overflows into an fp8 GEMM: test_fp8_cpu.c, on the interpreter and the C back end.)
 #include "mdl.h"
+#include "fp8_state.h"
 #include "test.h"
 
 #include <math.h>
