@@ -716,7 +716,24 @@ static Val index_expr(Sema *s, const Expr *e) {
 //
 
 typedef struct Builtin Builtin;
-typedef Val (*BuiltinFn)(Sema *s, const Builtin *b, const Expr *call, const Expr **arg);
+
+// A builtin's argument as the evaluator hands it over, checked against its parameter's kind
+// (Builtin.kinds): 't' a tensor, 'n' a tensor or a number, 'i' an integer, 'r' an integer that must
+// be given (a keyword argument such as heads=N), 'f' a number (as a float), 'b' a boolean, 'v' any
+// value (the builtin checks it), 'I' a list of integers, 'T' a list of tensors. An argument left out
+// has the kind V_ERR.
+typedef struct {
+  Val v;         // 't' 'n' 'i' 'r' 'f' 'b' 'v'
+  int64_t *ints; // 'I': the list's integers
+  int *nodes;    // 'T': the list's tensors
+  int n;         // 'I', 'T': the list's length
+} Arg;
+
+// A builtin gets its arguments evaluated (val) and their expressions (arg: where each was written,
+// or NULL where it was left out); it runs only when every argument it was given evaluated.
+typedef Val (*BuiltinFn)(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val);
+// A check of a call's form (which arguments it was given) before they are evaluated.
+typedef bool (*BuiltinForm)(Sema *s, const Builtin *b, const Expr **arg);
 
 // params[0 .. max) are positional (the first `min` required); the rest are keyword-only.
 enum { BUILTIN_PARAMS = 10 }; // parameters of a builtin at most (attention's nine)
@@ -726,6 +743,10 @@ struct Builtin {
   const char *params[BUILTIN_PARAMS];
   BuiltinFn fn;
   Op op;
+  // Each parameter's kind (Arg), in the order of params. Spaces cut them into groups: the arguments
+  // of a group are all evaluated, and the next group only when they all were.
+  const char *kinds;
+  BuiltinForm form; // or NULL
 };
 
 static int nparams(const Builtin *b) {
@@ -802,19 +823,11 @@ static int tensor_arg(Sema *s, const Builtin *b, const Expr *e, const char *what
   return v.node;
 }
 
-static bool int_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, int64_t dflt, int64_t *out) {
-  if (!e) {
-    *out = dflt;
-    return true;
-  }
+static bool int_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, int64_t *out) {
   return int_of(s, e, arena_printf(s->a, "%s: %s", b->name, what), out);
 }
 
-static bool float_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, double dflt, double *out) {
-  if (!e) {
-    *out = dflt;
-    return true;
-  }
+static bool float_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, double *out) {
   Val v = eval(s, e);
   if (v.kind == V_ERR)
     return false;
@@ -826,11 +839,7 @@ static bool float_arg(Sema *s, const Builtin *b, const Expr *e, const char *what
   return true;
 }
 
-static bool bool_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, bool dflt, bool *out) {
-  if (!e) {
-    *out = dflt;
-    return true;
-  }
+static bool bool_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, int64_t *out) {
   Val v = eval(s, e);
   if (v.kind == V_ERR)
     return false;
@@ -842,11 +851,94 @@ static bool bool_arg(Sema *s, const Builtin *b, const Expr *e, const char *what,
   return true;
 }
 
-// An axis of a tensor of the given rank; negative axes count from the end.
-static bool axis_arg(Sema *s, const Builtin *b, const Expr *e, int64_t dflt, int rank, SrcLoc at, int64_t *out) {
-  int64_t a;
-  if (!int_arg(s, b, e, "axis", dflt, &a))
+// The integers of a list literal such as [B, T, -1].
+static bool int_list(Sema *s, const Builtin *b, const Expr *e, const char *what, int64_t *out, int *n) {
+  if (e->kind != E_LIST) {
+    error_at(s, e->at, "%s: %s must be a list such as [0, 2, 1]", b->name, what);
     return false;
+  }
+  if (e->nargs > IR_MAX_RANK) {
+    error_at(s, e->at, "%s: %s has %d entries; tensors have at most %d axes", b->name, what, e->nargs, IR_MAX_RANK);
+    return false;
+  }
+  for (int i = 0; i < e->nargs; i++)
+    if (!int_of(s, e->args[i], arena_printf(s->a, "%s: %s entry", b->name, what), &out[i]))
+      return false;
+  *n = e->nargs;
+  return true;
+}
+
+// The tensors of a list literal such as [a, b].
+static bool tensor_list(Sema *s, const Builtin *b, const Expr *list, Arg *out) {
+  if (list->kind != E_LIST || list->nargs == 0) {
+    error_at(s, list->at, "%s: the first argument must be a list of tensors, such as [a, b]", b->name);
+    return false;
+  }
+  out->nodes = arena_alloc(s->a, sizeof(int) * (size_t)list->nargs);
+  out->n = list->nargs;
+  for (int i = 0; i < list->nargs; i++)
+    if ((out->nodes[i] = tensor_arg(s, b, list->args[i], "each list entry")) < 0)
+      return false;
+  return true;
+}
+
+// Evaluates argument e of builtin b's parameter k as the parameter's kind says.
+static bool eval_arg(Sema *s, const Builtin *b, int k, char kind, const Expr *e, Arg *out) {
+  const char *what = b->params[k];
+  switch (kind) {
+  case 't': out->v = tensor_val(tensor_arg(s, b, e, what)); return out->v.node >= 0;
+  case 'n':
+    out->v = eval(s, e);
+    if (out->v.kind == V_ERR)
+      return false;
+    if (out->v.kind != V_TENSOR && out->v.kind != V_INT && out->v.kind != V_FLOAT) {
+      error_at(s, e->at, "%s: %s must be a tensor or a number, got %s", b->name, what, describe(out->v));
+      return false;
+    }
+    return true;
+  case 'i':
+  case 'r': out->v.kind = V_INT; return int_arg(s, b, e, what, &out->v.i);
+  case 'f': out->v.kind = V_FLOAT; return float_arg(s, b, e, what, &out->v.f);
+  case 'b': out->v.kind = V_BOOL; return bool_arg(s, b, e, what, &out->v.i);
+  case 'I':
+    out->ints = arena_alloc(s->a, sizeof(int64_t) * IR_MAX_RANK);
+    return int_list(s, b, e, what, out->ints, &out->n);
+  case 'T': return tensor_list(s, b, e, out);
+  default: out->v = eval(s, e); return out->v.kind != V_ERR;
+  }
+}
+
+// Evaluates a call's arguments (arg, as bind_args matched them) a group of b->kinds at a time; false
+// after a group where one failed or a required one was left out (reported).
+static bool eval_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, Arg *val) {
+  for (int k = 0; k < BUILTIN_PARAMS; k++)
+    val[k] = (Arg){0};
+  bool ok = true;
+  int k = 0;
+  for (const char *c = b->kinds; *c && (ok || *c != ' '); c++) {
+    if (*c == ' ')
+      continue;
+    if (arg[k]) {
+      ok = eval_arg(s, b, k, *c, arg[k], &val[k]) && ok;
+    } else if (*c == 'r') {
+      error_at(s, call->at, "%s: %s=N is required", b->name, b->params[k]);
+      ok = false;
+    }
+    k++;
+  }
+  return ok;
+}
+
+// An evaluated argument, or dflt where it was left out.
+static int64_t int_or(const Arg *a, int64_t dflt) { return a->v.kind == V_INT ? a->v.i : dflt; }
+static double float_or(const Arg *a, double dflt) { return a->v.kind == V_FLOAT ? a->v.f : dflt; }
+static bool bool_or(const Arg *a, bool dflt) { return a->v.kind == V_BOOL ? a->v.i != 0 : dflt; }
+
+// An axis of a tensor of the given rank (e: the argument, a: its value, dflt where it is left out);
+// negative axes count from the end.
+static bool axis_arg(Sema *s, const Builtin *b, const Expr *e, const Arg *v, int64_t dflt, int rank, SrcLoc at,
+                     int64_t *out) {
+  int64_t a = int_or(v, dflt);
   int64_t k = a < 0 ? a + rank : a;
   if (k < 0 || k >= rank) {
     error_at(s, e ? e->at : at, "%s: axis %lld is out of range for a tensor of rank %d", b->name, (long long)a, rank);
@@ -864,16 +956,11 @@ static bool need_i32(Sema *s, const Builtin *b, int x, const char *what, SrcLoc 
 }
 
 // gelu relu silu exp log tanh sqrt rsqrt neg: elementwise on tensors, folded on scalars.
-static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  Val v = eval(s, arg[0]);
-  if (v.kind == V_ERR)
-    return ERR;
+static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  (void)arg;
+  Val v = val[0].v;
   if (v.kind == V_TENSOR)
     return add_op(s, b->op, &v.node, 1, NULL, NULL, call->at);
-  if (v.kind != V_INT && v.kind != V_FLOAT) {
-    error_at(s, arg[0]->at, "%s: x must be a tensor or a number, got %s", b->name, describe(v));
-    return ERR;
-  }
   if (v.kind == V_INT && (b->op == OP_ABS || b->op == OP_NEG) && v.i != INT64_MIN) // an integer stays one
     return int_val(b->op == OP_NEG || v.i < 0 ? -v.i : v.i);
   double x = v.kind == V_INT ? (double)v.i : v.f;
@@ -888,11 +975,11 @@ static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr
 // float(x) and int(x): an f32 tensor of an i32 one and back (CAST), int toward zero, saturating at
 // the i32 range, NaN to 0 (interp_to_i32); on numbers at compile time, int toward zero (a 64-bit
 // integer); a tensor of the wanted dtype is itself. No gradient flows through an integer.
-static Val builtin_cast(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+static Val builtin_cast(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  (void)arg;
   bool to_int = !strcmp(b->name, "int");
-  Val v = eval(s, arg[0]);
+  Val v = val[0].v;
   switch (v.kind) {
-  case V_ERR: return ERR;
   case V_INT: return to_int ? v : float_val((double)v.i);
   case V_FLOAT:
     if (!to_int)
@@ -902,30 +989,21 @@ static Val builtin_cast(Sema *s, const Builtin *b, const Expr *call, const Expr 
       return ERR;
     }
     return int_val((int64_t)v.f);
-  case V_TENSOR: {
+  default: {
     DType from = node(s, v.node)->dtype, to = to_int ? DT_I32 : DT_F32;
     if (from == to)
       return v;
     return add_op(s, OP_CAST, &v.node, 1, (int64_t[8]){to}, NULL, call->at);
   }
-  default:
-    error_at(s, arg[0]->at, "%s: x must be a tensor or a number, got %s", b->name, describe(v));
-    return ERR;
   }
 }
 
 // where(cond, a, b): a where cond is not 0 (a comparison's 1), else b; a and b may be numbers.
-static Val builtin_where(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+static Val builtin_where(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  (void)b;
   Val v[3];
-  for (int i = 0; i < 3; i++) {
-    v[i] = eval(s, arg[i]);
-    if (v[i].kind == V_ERR)
-      return ERR;
-    if (v[i].kind != V_TENSOR && v[i].kind != V_INT && v[i].kind != V_FLOAT) {
-      error_at(s, arg[i]->at, "%s: %s must be a tensor or a number, got %s", b->name, b->params[i], describe(v[i]));
-      return ERR;
-    }
-  }
+  for (int i = 0; i < 3; i++)
+    v[i] = val[i].v;
   if (v[0].kind != V_TENSOR) {
     error_at(s, arg[0]->at, "where: cond must be a tensor (a comparison such as x > 0); a constant condition picks "
              "a or b by itself");
@@ -938,11 +1016,10 @@ static Val builtin_where(Sema *s, const Builtin *b, const Expr *call, const Expr
 }
 
 // clamp(x, min=, max=): x within [min, max], a bound left out being none (at least one given).
-static Val builtin_clamp(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x");
-  double lo, hi;
-  if (x < 0 || !float_arg(s, b, arg[1], "min", -INFINITY, &lo) || !float_arg(s, b, arg[2], "max", INFINITY, &hi))
-    return ERR;
+static Val builtin_clamp(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  (void)b;
+  int x = val[0].v.node;
+  double lo = float_or(&val[1], -INFINITY), hi = float_or(&val[2], INFINITY);
   if (!arg[1] && !arg[2]) {
     error_at(s, call->at, "clamp: give min=, max= or both");
     return ERR;
@@ -960,14 +1037,12 @@ static Val builtin_clamp(Sema *s, const Builtin *b, const Expr *call, const Expr
 // target counting in neither; with every target ignored the loss is 0 and so are its gradients.
 // Over one axis a mean divides by the axis' length, whatever the values.
 static Val reduce_tensor(Sema *s, const Builtin *b, Op op, const Expr *call, int x, const Expr *axis_e,
-                         const Expr *keep_e) {
-  bool keep;
-  if (!bool_arg(s, b, keep_e, "keepdim", false, &keep))
-    return ERR;
+                         const Arg *axis_v, const Arg *keep_v) {
+  bool keep = bool_or(keep_v, false);
   Shape sh = node(s, x)->shape;
   if (axis_e) {
     int64_t axis;
-    if (!axis_arg(s, b, axis_e, 0, sh.rank, call->at, &axis))
+    if (!axis_arg(s, b, axis_e, axis_v, 0, sh.rank, call->at, &axis))
       return ERR;
     return add_op(s, op, &x, 1, (int64_t[8]){axis, keep}, NULL, call->at);
   }
@@ -996,39 +1071,42 @@ static Val reduce_tensor(Sema *s, const Builtin *b, Op op, const Expr *call, int
   return reshape(s, r.node, ones, call->at);
 }
 
-static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x");
-  return x < 0 ? ERR : reduce_tensor(s, b, b->op, call, x, arg[1], arg[2]);
+static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  return reduce_tensor(s, b, b->op, call, val[0].v.node, arg[1], &val[1], &val[2]);
 }
 
 // max(a, b) / min(a, b): elementwise with broadcasting (either may be a number; two numbers fold);
 // max(x, axis=, keepdim=) / min(...): a reduction, told apart by the second positional argument.
 // The min reduction is -max(-x): the same values, and the same gradient rule at ties.
-static Val builtin_minmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+static bool minmax_form(Sema *s, const Builtin *b, const Expr **arg) {
+  if (arg[1] && (arg[2] || arg[3])) {
+    error_at(s, arg[2] ? arg[2]->at : arg[3]->at, "%s(a, b) is elementwise and takes no axis= or keepdim=; the "
+             "reduction is %s(x, axis=...)", b->name, b->name);
+    return false;
+  }
+  return true;
+}
+
+static Val builtin_minmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
   bool is_max = b->op == OP_MAXIMUM;
   if (!arg[1]) {
-    int x = tensor_arg(s, b, arg[0], "x");
-    if (x < 0)
+    if (val[0].v.kind != V_TENSOR) {
+      error_at(s, arg[0]->at, "%s: x must be a tensor, got %s", b->name, describe(val[0].v));
       return ERR;
+    }
+    int x = val[0].v.node;
     if (!is_max) {
       Val neg = add_op(s, OP_NEG, &x, 1, NULL, NULL, call->at);
       if (neg.kind == V_ERR)
         return ERR;
       x = neg.node;
     }
-    Val r = reduce_tensor(s, b, OP_MAX, call, x, arg[2], arg[3]);
+    Val r = reduce_tensor(s, b, OP_MAX, call, x, arg[2], &val[2], &val[3]);
     return is_max || r.kind == V_ERR ? r : add_op(s, OP_NEG, &r.node, 1, NULL, NULL, call->at);
-  }
-  if (arg[2] || arg[3]) {
-    error_at(s, arg[2] ? arg[2]->at : arg[3]->at, "%s(a, b) is elementwise and takes no axis= or keepdim=; the "
-             "reduction is %s(x, axis=...)", b->name, b->name);
-    return ERR;
   }
   Val v[2];
   for (int i = 0; i < 2; i++) {
-    v[i] = eval(s, arg[i]);
-    if (v[i].kind == V_ERR)
-      return ERR;
+    v[i] = val[i].v;
     if (v[i].kind != V_TENSOR && v[i].kind != V_INT && v[i].kind != V_FLOAT) {
       error_at(s, arg[i]->at, "%s: %s must be a tensor or a number, got %s", b->name, b->params[i], describe(v[i]));
       return ERR;
@@ -1046,28 +1124,10 @@ static Val builtin_minmax(Sema *s, const Builtin *b, const Expr *call, const Exp
   return add_op(s, b->op, in, 2, NULL, NULL, call->at);
 }
 
-// The integers of a list literal such as [B, T, -1].
-static bool int_list(Sema *s, const Builtin *b, const Expr *e, const char *what, int64_t *out, int *n) {
-  if (e->kind != E_LIST) {
-    error_at(s, e->at, "%s: %s must be a list such as [0, 2, 1]", b->name, what);
-    return false;
-  }
-  if (e->nargs > IR_MAX_RANK) {
-    error_at(s, e->at, "%s: %s has %d entries; tensors have at most %d axes", b->name, what, e->nargs, IR_MAX_RANK);
-    return false;
-  }
-  for (int i = 0; i < e->nargs; i++)
-    if (!int_of(s, e->args[i], arena_printf(s->a, "%s: %s entry", b->name, what), &out[i]))
-      return false;
-  *n = e->nargs;
-  return true;
-}
-
-static Val builtin_reshape(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x"), n;
-  int64_t d[IR_MAX_RANK];
-  if (x < 0 || !int_list(s, b, arg[1], "shape", d, &n))
-    return ERR;
+static Val builtin_reshape(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  (void)b;
+  int x = val[0].v.node, n = val[1].n;
+  const int64_t *d = val[1].ints;
   Shape sh = {.rank = n};
   int64_t known = 1;
   int infer = -1;
@@ -1100,11 +1160,11 @@ static Val builtin_reshape(Sema *s, const Builtin *b, const Expr *call, const Ex
   return reshape(s, x, sh, call->at);
 }
 
-static Val builtin_permute(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x"), n;
+static Val builtin_permute(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  (void)b;
+  int x = val[0].v.node, n = val[1].n;
   int64_t perm[8] = {0};
-  if (x < 0 || !int_list(s, b, arg[1], "axes", perm, &n))
-    return ERR;
+  memcpy(perm, val[1].ints, sizeof(int64_t) * (size_t)n);
   int r = node(s, x)->shape.rank;
   if (n != r) {
     error_at(s, arg[1]->at, "permute: %d axes given for a tensor of rank %d", n, r);
@@ -1116,13 +1176,11 @@ static Val builtin_permute(Sema *s, const Builtin *b, const Expr *call, const Ex
   return add_op(s, OP_PERMUTE, &x, 1, perm, NULL, call->at);
 }
 
-static Val builtin_transpose(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x");
-  if (x < 0)
-    return ERR;
+static Val builtin_transpose(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int x = val[0].v.node;
   int r = node(s, x)->shape.rank;
   int64_t i, j, perm[8];
-  if (!axis_arg(s, b, arg[1], 0, r, call->at, &i) || !axis_arg(s, b, arg[2], 0, r, call->at, &j))
+  if (!axis_arg(s, b, arg[1], &val[1], 0, r, call->at, &i) || !axis_arg(s, b, arg[2], &val[2], 0, r, call->at, &j))
     return ERR;
   if (i == j)
     return tensor_val(x);
@@ -1134,13 +1192,11 @@ static Val builtin_transpose(Sema *s, const Builtin *b, const Expr *call, const 
 }
 
 // split(x, n, axis=-1): n equal SLICEs, returned together for `a, b, c = split(...)`.
-static Val builtin_split(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x");
-  int64_t n, axis;
-  if (x < 0 || !int_arg(s, b, arg[1], "n", 0, &n))
-    return ERR;
+static Val builtin_split(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int x = val[0].v.node;
+  int64_t n = val[1].v.i, axis;
   Shape sh = node(s, x)->shape;
-  if (!axis_arg(s, b, arg[2], -1, sh.rank, call->at, &axis))
+  if (!axis_arg(s, b, arg[2], &val[2], -1, sh.rank, call->at, &axis))
     return ERR;
   if (n <= 0 || n > 64) {
     error_at(s, arg[1]->at, "split: n must be between 1 and 64, got %lld", (long long)n);
@@ -1162,31 +1218,21 @@ static Val builtin_split(Sema *s, const Builtin *b, const Expr *call, const Expr
   return t;
 }
 
-static Val builtin_concat(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  const Expr *list = arg[0];
-  if (list->kind != E_LIST || list->nargs == 0) {
-    error_at(s, list->at, "concat: the first argument must be a list of tensors, such as [a, b]");
-    return ERR;
-  }
-  int *in = arena_alloc(s->a, sizeof(int) * (size_t)list->nargs);
-  for (int i = 0; i < list->nargs; i++)
-    if ((in[i] = tensor_arg(s, b, list->args[i], "each list entry")) < 0)
-      return ERR;
+static Val builtin_concat(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  const int *in = val[0].nodes;
   int64_t axis;
-  if (!axis_arg(s, b, arg[1], -1, node(s, in[0])->shape.rank, call->at, &axis))
+  if (!axis_arg(s, b, arg[1], &val[1], -1, node(s, in[0])->shape.rank, call->at, &axis))
     return ERR;
-  return add_op(s, OP_CONCAT, in, list->nargs, (int64_t[8]){axis}, NULL, call->at);
+  return add_op(s, OP_CONCAT, in, val[0].n, (int64_t[8]){axis}, NULL, call->at);
 }
 
 // topk(x, k, axis=-1): (values, indices i32), the k largest along the axis, largest first, ties by
 // the lower index: TOPK gives the indices, a GATHER of x at them the values (the gradient's path).
-static Val builtin_topk(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x");
-  int64_t k, axis;
-  if (x < 0 || !int_arg(s, b, arg[1], "k", 0, &k))
-    return ERR;
+static Val builtin_topk(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int x = val[0].v.node;
+  int64_t k = val[1].v.i, axis;
   Shape sh = node(s, x)->shape;
-  if (!axis_arg(s, b, arg[2], -1, sh.rank, call->at, &axis))
+  if (!axis_arg(s, b, arg[2], &val[2], -1, sh.rank, call->at, &axis))
     return ERR;
   if (k < 1 || k > sh.d[axis]) {
     error_at(s, arg[1]->at, "topk: k must be between 1 and %lld (the size of axis %lld), got %lld",
@@ -1206,46 +1252,44 @@ static Val builtin_topk(Sema *s, const Builtin *b, const Expr *call, const Expr 
 }
 
 // gather(x, idx, axis=-1) and scatter_add(base, idx, src, axis=-1); the shapes are checked by the IR.
-static Val builtin_gather(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+static Val builtin_gather(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
   bool scatter = b->op == OP_SCATTER_ADD;
-  int x = tensor_arg(s, b, arg[0], scatter ? "base" : "x"), idx = tensor_arg(s, b, arg[1], "idx");
-  int src = scatter ? tensor_arg(s, b, arg[2], "src") : 0;
+  int x = val[0].v.node, idx = val[1].v.node;
+  int src = scatter ? val[2].v.node : 0;
   int64_t axis;
-  if (x < 0 || idx < 0 || src < 0 || !need_i32(s, b, idx, "idx", arg[1]->at))
+  if (!need_i32(s, b, idx, "idx", arg[1]->at))
     return ERR;
   int bad = node(s, x)->dtype != DT_F32 ? 0 : scatter && node(s, src)->dtype != DT_F32 ? 2 : -1;
   if (bad >= 0) {
     error_at(s, arg[bad]->at, "%s: %s must be f32, got i32", b->name, b->params[bad]);
     return ERR;
   }
-  if (!axis_arg(s, b, arg[scatter ? 3 : 2], -1, node(s, x)->shape.rank, call->at, &axis))
+  if (!axis_arg(s, b, arg[scatter ? 3 : 2], &val[scatter ? 3 : 2], -1, node(s, x)->shape.rank, call->at, &axis))
     return ERR;
   if (scatter)
     return add_op(s, OP_SCATTER_ADD, (int[]){x, idx, src}, 3, (int64_t[8]){axis}, NULL, call->at);
   return add_op(s, OP_GATHER, (int[]){x, idx}, 2, (int64_t[8]){axis}, NULL, call->at);
 }
 
-static Val builtin_embed(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int t = tensor_arg(s, b, arg[0], "table"), ids = tensor_arg(s, b, arg[1], "ids");
-  if (t < 0 || ids < 0 || !need_i32(s, b, ids, "ids", arg[1]->at))
+static Val builtin_embed(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int t = val[0].v.node, ids = val[1].v.node;
+  if (!need_i32(s, b, ids, "ids", arg[1]->at))
     return ERR;
   return add_op(s, OP_EMBED, (int[]){t, ids}, 2, NULL, NULL, call->at);
 }
 
 // layernorm(x, w, b, eps=1e-5) and rmsnorm(x, w, eps=1e-5). A layernorm without b gets a zero bias.
-static Val builtin_norm(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+static Val builtin_norm(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
   int layer = b->op == OP_LAYERNORM, eps_at = layer ? 3 : 2;
-  int x = tensor_arg(s, b, arg[0], "x"), w = tensor_arg(s, b, arg[1], "w");
-  double eps;
-  if (x < 0 || w < 0 || !float_arg(s, b, arg[eps_at], "eps", 1e-5, &eps))
-    return ERR;
+  int x = val[0].v.node, w = val[1].v.node;
+  double eps = float_or(&val[eps_at], 1e-5);
   if (!(eps >= 0 && isfinite(eps))) {
     error_at(s, arg[eps_at]->at, "%s: eps must be finite and not negative, got %g", b->name, eps);
     return ERR;
   }
   int in[3] = {x, w, -1};
   if (layer && arg[2]) {
-    in[2] = tensor_arg(s, b, arg[2], "b");
+    in[2] = val[2].v.node;
   } else if (layer) {
     int zero = ir_const(s->g, 0, call->at);
     in[2] = zero < 0 ? -1 : ir_broadcast(s->g, zero, node(s, w)->shape, call->at);
@@ -1272,13 +1316,11 @@ static int swap_last(Sema *s, int x, int64_t axis, SrcLoc at) {
 }
 
 // softmax(x, axis=-1): the SOFTMAX op works on the last axis; another axis is swapped there and back.
-static Val builtin_softmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x");
-  if (x < 0)
-    return ERR;
+static Val builtin_softmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int x = val[0].v.node;
   int r = node(s, x)->shape.rank;
   int64_t axis = r - 1;
-  if (r > 0 && !axis_arg(s, b, arg[1], -1, r, call->at, &axis))
+  if (r > 0 && !axis_arg(s, b, arg[1], &val[1], -1, r, call->at, &axis))
     return ERR;
   int t = swap_last(s, x, axis, call->at);
   Val y = t < 0 ? ERR : add_op(s, OP_SOFTMAX, &t, 1, NULL, NULL, call->at);
@@ -1291,17 +1333,15 @@ static Val builtin_softmax(Sema *s, const Builtin *b, const Expr *call, const Ex
 // log_softmax(x, axis=-1) = (x - m) - log(sum(exp(x - m))) over the axis, m its maximum taken as a
 // constant (stop_gradient: the value does not depend on m, so neither does the gradient), so that
 // exp never overflows and a large negative score keeps its value where log(softmax) would be -inf.
-static Val builtin_log_softmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x");
-  if (x < 0)
-    return ERR;
+static Val builtin_log_softmax(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int x = val[0].v.node;
   int r = node(s, x)->shape.rank;
   int64_t axis = 0;
   if (r == 0) {
     error_at(s, call->at, "log_softmax of a scalar");
     return ERR;
   }
-  if (!axis_arg(s, b, arg[1], -1, r, call->at, &axis))
+  if (!axis_arg(s, b, arg[1], &val[1], -1, r, call->at, &axis))
     return ERR;
   SrcLoc at = call->at;
   Val m = add_op(s, OP_MAX, &x, 1, (int64_t[8]){axis, 1}, NULL, at);
@@ -1394,20 +1434,12 @@ static Val plain_attention(Sema *s, const int *in, AttnArgs a, SrcLoc at) {
   return o.kind == V_ERR ? ERR : reshape(s, o.node, x, at);
 }
 
-static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int in[4];
-  for (int i = 0; i < 3; i++)
-    if ((in[i] = tensor_arg(s, b, arg[i], b->params[i])) < 0)
-      return ERR;
-  if (!arg[3]) {
-    error_at(s, call->at, "attention: heads=N is required");
-    return ERR;
-  }
-  AttnArgs a;
-  if (!int_arg(s, b, arg[3], "heads", 0, &a.heads) || !bool_arg(s, b, arg[4], "causal", false, &a.causal) ||
-      !int_arg(s, b, arg[7], "kv_heads", a.heads, &a.kv_heads) || !int_arg(s, b, arg[8], "window", 0, &a.window))
-    return ERR;
-  if (arg[5] && ((in[3] = tensor_arg(s, b, arg[5], "doc")) < 0 || !need_i32(s, b, in[3], "doc", arg[5]->at)))
+static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int in[4] = {val[0].v.node, val[1].v.node, val[2].v.node, val[5].v.node};
+  AttnArgs a = {.heads = val[3].v.i, .causal = bool_or(&val[4], false)};
+  a.kv_heads = int_or(&val[7], a.heads);
+  a.window = int_or(&val[8], 0);
+  if (arg[5] && !need_i32(s, b, in[3], "doc", arg[5]->at))
     return ERR;
   if (arg[7] && a.kv_heads <= 0) {
     error_at(s, arg[7]->at, "attention: kv_heads must be at least 1, got %lld", (long long)a.kv_heads);
@@ -1423,9 +1455,7 @@ static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const 
   }
   Shape q = node(s, in[0])->shape;
   int64_t c = q.rank == 3 ? q.d[2] : 0;
-  a.scale = a.heads > 0 && c % a.heads == 0 ? 1 / sqrt((double)(c / a.heads)) : 1;
-  if (!float_arg(s, b, arg[6], "scale", a.scale, &a.scale))
-    return ERR;
+  a.scale = float_or(&val[6], a.heads > 0 && c % a.heads == 0 ? 1 / sqrt((double)(c / a.heads)) : 1);
   bool doc = arg[5] && !s->lower.no_doc_mask; // (--no-doc-mask: the ids are checked, then ignored)
   // (the window stays as written even where it holds all T rows: a graph of one token decodes with a
   // cache of earlier positions, interp.c)
@@ -1442,18 +1472,12 @@ static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const 
                 (double[6]){a.scale}, call->at);
 }
 
-static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x"), pos = tensor_arg(s, b, arg[1], "pos");
-  if (x < 0 || pos < 0 || !need_i32(s, b, pos, "pos", arg[1]->at))
+static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int x = val[0].v.node, pos = val[1].v.node;
+  if (!need_i32(s, b, pos, "pos", arg[1]->at))
     return ERR;
-  if (!arg[2]) {
-    error_at(s, call->at, "rope: heads=N is required");
-    return ERR;
-  }
-  int64_t heads;
-  double base;
-  if (!int_arg(s, b, arg[2], "heads", 0, &heads) || !float_arg(s, b, arg[3], "base", 10000, &base))
-    return ERR;
+  int64_t heads = val[2].v.i;
+  double base = float_or(&val[3], 10000);
   if (!(base > 0 && isfinite(base))) {
     error_at(s, arg[3]->at, "rope: base must be positive and finite, got %g", base);
     return ERR;
@@ -1461,9 +1485,9 @@ static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr 
   return add_op(s, OP_ROPE, (int[]){x, pos}, 2, (int64_t[8]){heads, 0}, (double[6]){base}, call->at);
 }
 
-static Val builtin_cross_entropy(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int l = tensor_arg(s, b, arg[0], "logits"), t = tensor_arg(s, b, arg[1], "targets");
-  if (l < 0 || t < 0 || !need_i32(s, b, t, "targets", arg[1]->at))
+static Val builtin_cross_entropy(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int l = val[0].v.node, t = val[1].v.node;
+  if (!need_i32(s, b, t, "targets", arg[1]->at))
     return ERR;
   return add_op(s, OP_CROSS_ENTROPY, (int[]){l, t}, 2, NULL, NULL, call->at);
 }
@@ -1499,12 +1523,10 @@ static int shifted(Sema *s, int x, int64_t by, SrcLoc at) {
 // and fusion come for free): per tap, x shifted (a SLICE and a CONCAT with zeros); a depthwise
 // convolution sums the taps times their rows of w; a full one concatenates the K shifted copies
 // along the channels and multiplies them by w viewed as [K * Cin, Cout], one GEMM.
-static Val builtin_conv1d(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x"), w = tensor_arg(s, b, arg[1], "w");
-  int bias = arg[2] ? tensor_arg(s, b, arg[2], "b") : -1;
-  bool causal;
-  if (x < 0 || w < 0 || (arg[2] && bias < 0) || !bool_arg(s, b, arg[3], "causal", false, &causal))
-    return ERR;
+static Val builtin_conv1d(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  int x = val[0].v.node, w = val[1].v.node;
+  int bias = arg[2] ? val[2].v.node : -1;
+  bool causal = bool_or(&val[3], false);
   Shape xs = node(s, x)->shape, ws = node(s, w)->shape;
   if (xs.rank != 3) {
     error_at(s, arg[0]->at, "conv1d: x must be [B, T, C], got %s", shape_text(s, xs));
@@ -1589,54 +1611,53 @@ static Val builtin_conv1d(Sema *s, const Builtin *b, const Expr *call, const Exp
 }
 
 // Each dropout gets its own random stream: its index among the graph's dropouts, from 1.
-static Val builtin_dropout(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
-  int x = tensor_arg(s, b, arg[0], "x");
-  double p;
-  if (x < 0 || !float_arg(s, b, arg[1], "p", 0.1, &p))
-    return ERR;
+static Val builtin_dropout(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
+  (void)b, (void)arg;
+  int x = val[0].v.node;
+  double p = float_or(&val[1], 0.1);
   return add_op(s, OP_DROPOUT, &x, 1, (int64_t[8]){++s->dropouts}, (double[6]){p}, call->at);
 }
 
 static const Builtin builtins[] = {
-    {"gelu", 1, 1, {"x"}, builtin_unary, OP_GELU},
-    {"relu", 1, 1, {"x"}, builtin_unary, OP_RELU},
-    {"silu", 1, 1, {"x"}, builtin_unary, OP_SILU},
-    {"sigmoid", 1, 1, {"x"}, builtin_unary, OP_SIGMOID},
-    {"abs", 1, 1, {"x"}, builtin_unary, OP_ABS},
-    {"clamp", 1, 1, {"x", "min", "max"}, builtin_clamp, OP_CLAMP},
-    {"stop_gradient", 1, 1, {"x"}, builtin_unary, OP_STOP_GRADIENT},
-    {"where", 3, 3, {"cond", "a", "b"}, builtin_where, OP_WHERE},
-    {"float", 1, 1, {"x"}, builtin_cast, OP_CAST},
-    {"int", 1, 1, {"x"}, builtin_cast, OP_CAST},
-    {"exp", 1, 1, {"x"}, builtin_unary, OP_EXP},
-    {"log", 1, 1, {"x"}, builtin_unary, OP_LOG},
-    {"tanh", 1, 1, {"x"}, builtin_unary, OP_TANH},
-    {"sqrt", 1, 1, {"x"}, builtin_unary, OP_SQRT},
-    {"rsqrt", 1, 1, {"x"}, builtin_unary, OP_RSQRT},
-    {"neg", 1, 1, {"x"}, builtin_unary, OP_NEG},
-    {"sum", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_SUM},
-    {"mean", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_MEAN},
-    {"max", 1, 2, {"x", "y", "axis", "keepdim"}, builtin_minmax, OP_MAXIMUM},
-    {"min", 1, 2, {"x", "y", "axis", "keepdim"}, builtin_minmax, OP_MINIMUM},
-    {"reshape", 2, 2, {"x", "shape"}, builtin_reshape, OP_RESHAPE},
-    {"permute", 2, 2, {"x", "axes"}, builtin_permute, OP_PERMUTE},
-    {"transpose", 3, 3, {"x", "a", "b"}, builtin_transpose, OP_PERMUTE},
-    {"split", 2, 2, {"x", "n", "axis"}, builtin_split, OP_SLICE},
-    {"concat", 1, 1, {"xs", "axis"}, builtin_concat, OP_CONCAT},
-    {"embed", 2, 2, {"table", "ids"}, builtin_embed, OP_EMBED},
-    {"topk", 2, 2, {"x", "k", "axis"}, builtin_topk, OP_TOPK},
-    {"gather", 2, 2, {"x", "idx", "axis"}, builtin_gather, OP_GATHER},
-    {"scatter_add", 3, 3, {"base", "idx", "src", "axis"}, builtin_gather, OP_SCATTER_ADD},
-    {"layernorm", 2, 3, {"x", "w", "b", "eps"}, builtin_norm, OP_LAYERNORM},
-    {"rmsnorm", 2, 2, {"x", "w", "eps"}, builtin_norm, OP_RMSNORM},
-    {"softmax", 1, 1, {"x", "axis"}, builtin_softmax, OP_SOFTMAX},
-    {"log_softmax", 1, 1, {"x", "axis"}, builtin_log_softmax, OP_SOFTMAX},
+    {"gelu", 1, 1, {"x"}, builtin_unary, OP_GELU, "n", NULL},
+    {"relu", 1, 1, {"x"}, builtin_unary, OP_RELU, "n", NULL},
+    {"silu", 1, 1, {"x"}, builtin_unary, OP_SILU, "n", NULL},
+    {"sigmoid", 1, 1, {"x"}, builtin_unary, OP_SIGMOID, "n", NULL},
+    {"abs", 1, 1, {"x"}, builtin_unary, OP_ABS, "n", NULL},
+    {"clamp", 1, 1, {"x", "min", "max"}, builtin_clamp, OP_CLAMP, "t f f", NULL},
+    {"stop_gradient", 1, 1, {"x"}, builtin_unary, OP_STOP_GRADIENT, "n", NULL},
+    {"where", 3, 3, {"cond", "a", "b"}, builtin_where, OP_WHERE, "n n n", NULL},
+    {"float", 1, 1, {"x"}, builtin_cast, OP_CAST, "n", NULL},
+    {"int", 1, 1, {"x"}, builtin_cast, OP_CAST, "n", NULL},
+    {"exp", 1, 1, {"x"}, builtin_unary, OP_EXP, "n", NULL},
+    {"log", 1, 1, {"x"}, builtin_unary, OP_LOG, "n", NULL},
+    {"tanh", 1, 1, {"x"}, builtin_unary, OP_TANH, "n", NULL},
+    {"sqrt", 1, 1, {"x"}, builtin_unary, OP_SQRT, "n", NULL},
+    {"rsqrt", 1, 1, {"x"}, builtin_unary, OP_RSQRT, "n", NULL},
+    {"neg", 1, 1, {"x"}, builtin_unary, OP_NEG, "n", NULL},
+    {"sum", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_SUM, "t i b", NULL},
+    {"mean", 1, 1, {"x", "axis", "keepdim"}, builtin_reduce, OP_MEAN, "t i b", NULL},
+    {"max", 1, 2, {"x", "y", "axis", "keepdim"}, builtin_minmax, OP_MAXIMUM, "v v i b", minmax_form},
+    {"min", 1, 2, {"x", "y", "axis", "keepdim"}, builtin_minmax, OP_MINIMUM, "v v i b", minmax_form},
+    {"reshape", 2, 2, {"x", "shape"}, builtin_reshape, OP_RESHAPE, "t I", NULL},
+    {"permute", 2, 2, {"x", "axes"}, builtin_permute, OP_PERMUTE, "t I", NULL},
+    {"transpose", 3, 3, {"x", "a", "b"}, builtin_transpose, OP_PERMUTE, "t i i", NULL},
+    {"split", 2, 2, {"x", "n", "axis"}, builtin_split, OP_SLICE, "t i i", NULL},
+    {"concat", 1, 1, {"xs", "axis"}, builtin_concat, OP_CONCAT, "T i", NULL},
+    {"embed", 2, 2, {"table", "ids"}, builtin_embed, OP_EMBED, "tt", NULL},
+    {"topk", 2, 2, {"x", "k", "axis"}, builtin_topk, OP_TOPK, "t i i", NULL},
+    {"gather", 2, 2, {"x", "idx", "axis"}, builtin_gather, OP_GATHER, "tt i", NULL},
+    {"scatter_add", 3, 3, {"base", "idx", "src", "axis"}, builtin_gather, OP_SCATTER_ADD, "ttt i", NULL},
+    {"layernorm", 2, 3, {"x", "w", "b", "eps"}, builtin_norm, OP_LAYERNORM, "tt t f", NULL},
+    {"rmsnorm", 2, 2, {"x", "w", "eps"}, builtin_norm, OP_RMSNORM, "tt f", NULL},
+    {"softmax", 1, 1, {"x", "axis"}, builtin_softmax, OP_SOFTMAX, "t i", NULL},
+    {"log_softmax", 1, 1, {"x", "axis"}, builtin_log_softmax, OP_SOFTMAX, "t i", NULL},
     {"attention", 3, 3, {"q", "k", "v", "heads", "causal", "doc", "scale", "kv_heads", "window"}, builtin_attention,
-     OP_ATTENTION},
-    {"rope", 2, 2, {"x", "pos", "heads", "base"}, builtin_rope, OP_ROPE},
-    {"cross_entropy", 2, 2, {"logits", "targets"}, builtin_cross_entropy, OP_CROSS_ENTROPY},
-    {"dropout", 1, 1, {"x", "p"}, builtin_dropout, OP_DROPOUT},
-    {"conv1d", 2, 3, {"x", "w", "b", "causal"}, builtin_conv1d, OP_MATMUL},
+     OP_ATTENTION, "t t t r b t f i i", NULL},
+    {"rope", 2, 2, {"x", "pos", "heads", "base"}, builtin_rope, OP_ROPE, "tt r f", NULL},
+    {"cross_entropy", 2, 2, {"logits", "targets"}, builtin_cross_entropy, OP_CROSS_ENTROPY, "tt", NULL},
+    {"dropout", 1, 1, {"x", "p"}, builtin_dropout, OP_DROPOUT, "t f", NULL},
+    {"conv1d", 2, 3, {"x", "w", "b", "causal"}, builtin_conv1d, OP_MATMUL, "ttt b", NULL},
 };
 
 static Val call(Sema *s, const Expr *e) {
@@ -1645,9 +1666,10 @@ static Val call(Sema *s, const Expr *e) {
     if (strcmp(b->name, e->s))
       continue;
     const Expr *arg[BUILTIN_PARAMS];
-    if (!bind_args(s, b, e, arg))
+    Arg val[BUILTIN_PARAMS];
+    if (!bind_args(s, b, e, arg) || (b->form && !b->form(s, b, arg)) || !eval_args(s, b, e, arg, val))
       return ERR;
-    return b->fn(s, b, e, arg);
+    return b->fn(s, b, e, arg, val);
   }
   if (!strcmp(e->s, "normal"))
     error_at(s, e->at, "normal(std) initialises a param: param NAME: [shape] = normal(std)");
@@ -2101,7 +2123,7 @@ static const char *word(Sema *s, const Expr *e, const char *setting, const char 
 static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
   static const char *const modes[] = {"none", "all", "auto"};
   if (e->kind == E_CALL && !strcmp(e->s, "auto")) {
-    static const Builtin b = {"auto", 1, 1, {"budget"}, NULL, OP_COUNT};
+    static const Builtin b = {"auto", 1, 1, {"budget"}, NULL, OP_COUNT, NULL, NULL};
     const Expr *arg[BUILTIN_PARAMS];
     if (!bind_args(s, &b, e, arg))
       return;
@@ -2128,10 +2150,10 @@ static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
 
 // schedule = constant | linear | cosine | wsd, each NAME or NAME(warmup=, ...): runtime/train/schedule.c.
 static void schedule_setting(Sema *s, const Expr *e, TrainConfig *t) {
-  static const Builtin kinds[] = {{"constant", 0, 0, {"warmup"}, NULL, OP_COUNT},
-                                  {"linear", 0, 0, {"warmup", "min_lr", "steps"}, NULL, OP_COUNT},
-                                  {"cosine", 0, 0, {"warmup", "min_lr", "steps"}, NULL, OP_COUNT},
-                                  {"wsd", 0, 0, {"warmup", "decay", "min_lr", "steps"}, NULL, OP_COUNT}};
+  static const Builtin kinds[] = {{"constant", 0, 0, {"warmup"}, NULL, OP_COUNT, NULL, NULL},
+                                  {"linear", 0, 0, {"warmup", "min_lr", "steps"}, NULL, OP_COUNT, NULL, NULL},
+                                  {"cosine", 0, 0, {"warmup", "min_lr", "steps"}, NULL, OP_COUNT, NULL, NULL},
+                                  {"wsd", 0, 0, {"warmup", "decay", "min_lr", "steps"}, NULL, OP_COUNT, NULL, NULL}};
   static const Schedule kind_of[] = {SCHED_CONSTANT, SCHED_LINEAR, SCHED_COSINE, SCHED_WSD};
   int k = 2; // (an unknown name: the error lists them all)
   for (int i = 0; i < 4; i++)
@@ -2172,10 +2194,10 @@ static void schedule_setting(Sema *s, const Expr *e, TrainConfig *t) {
 // AdamW of the other params at adam_lr 3e-4, betas 0.9 and 0.95, eps 1e-10), weight decay 0.
 static void optimizer_setting(Sema *s, const Expr *e, TrainConfig *t) {
   static const Builtin kinds[] = {
-      {"adamw", 0, 0, {"lr", "beta1", "beta2", "eps", "weight_decay"}, NULL, OP_COUNT},
-      {"sgd", 0, 0, {"lr", "momentum", "nesterov", "weight_decay"}, NULL, OP_COUNT},
-      {"lion", 0, 0, {"lr", "beta1", "beta2", "weight_decay"}, NULL, OP_COUNT},
-      {"muon", 0, 0, {"lr", "momentum", "nesterov", "weight_decay", "adam_lr", "beta1", "beta2", "eps"}, NULL, OP_COUNT}};
+      {"adamw", 0, 0, {"lr", "beta1", "beta2", "eps", "weight_decay"}, NULL, OP_COUNT, NULL, NULL},
+      {"sgd", 0, 0, {"lr", "momentum", "nesterov", "weight_decay"}, NULL, OP_COUNT, NULL, NULL},
+      {"lion", 0, 0, {"lr", "beta1", "beta2", "weight_decay"}, NULL, OP_COUNT, NULL, NULL},
+      {"muon", 0, 0, {"lr", "momentum", "nesterov", "weight_decay", "adam_lr", "beta1", "beta2", "eps"}, NULL, OP_COUNT, NULL, NULL}};
   int k = 0; // (an unknown name: the error lists them all)
   for (int i = 0; i < 4; i++)
     if ((e->kind == E_NAME || e->kind == E_CALL) && !strcmp(e->s, kinds[i].name))
@@ -2405,7 +2427,7 @@ static bool param_init(Sema *s, const Expr *e, ParamInit *init) {
     return true;
   }
   if (e->kind == E_CALL && !strcmp(e->s, "normal")) {
-    static const Builtin b = {"normal", 1, 1, {"std"}, NULL, OP_COUNT};
+    static const Builtin b = {"normal", 1, 1, {"std"}, NULL, OP_COUNT, NULL, NULL};
     const Expr *arg[BUILTIN_PARAMS];
     double std;
     if (!bind_args(s, &b, e, arg) || !number(s, arg[0], "normal: std", R_NONNEG, false, &std))
