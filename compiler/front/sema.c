@@ -1660,17 +1660,11 @@ static const Builtin builtins[] = {
     {"conv1d", 2, 3, {"x", "w", "b", "causal"}, builtin_conv1d, OP_MATMUL, "ttt b", NULL},
 };
 
-static Val call(Sema *s, const Expr *e) {
-  for (size_t i = 0; i < sizeof builtins / sizeof *builtins; i++) {
-    const Builtin *b = &builtins[i];
-    if (strcmp(b->name, e->s))
-      continue;
-    const Expr *arg[BUILTIN_PARAMS];
-    Arg val[BUILTIN_PARAMS];
-    if (!bind_args(s, b, e, arg) || (b->form && !b->form(s, b, arg)) || !eval_args(s, b, e, arg, val))
-      return ERR;
-    return b->fn(s, b, e, arg, val);
-  }
+// The builtin a call names; NULL when there is none (reported).
+static const Builtin *find_builtin(Sema *s, const Expr *e) {
+  for (size_t i = 0; i < sizeof builtins / sizeof *builtins; i++)
+    if (!strcmp(builtins[i].name, e->s))
+      return &builtins[i];
   if (!strcmp(e->s, "normal"))
     error_at(s, e->at, "normal(std) initialises a param: param NAME: [shape] = normal(std)");
   else {
@@ -1679,7 +1673,16 @@ static Val call(Sema *s, const Expr *e) {
       consider(&near, builtins[i].name);
     error_at(s, e->at, "unknown op '%s'%s", e->s, did_you_mean(s, &near));
   }
-  return ERR;
+  return NULL;
+}
+
+static Val call(Sema *s, const Expr *e) {
+  const Builtin *b = find_builtin(s, e);
+  const Expr *arg[BUILTIN_PARAMS];
+  Arg val[BUILTIN_PARAMS];
+  if (!b || !bind_args(s, b, e, arg) || (b->form && !b->form(s, b, arg)) || !eval_args(s, b, e, arg, val))
+    return ERR;
+  return b->fn(s, b, e, arg, val);
 }
 
 static Val name_value(Sema *s, const Expr *e) {
