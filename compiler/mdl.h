@@ -446,7 +446,7 @@ int64_t ir_dim(const Graph *g, const char *name); // a dim's bound value, -1 whe
 void ir_eval_mode(Graph *g);
 
 //
-// front end (grammar/mdl.l, grammar/mdl.y, compiler/front/sema.c): .mdl text to the forward graph.
+// front end (grammar/mdl.l, grammar/mdl.y, compiler/front/sema*.c): .mdl text to the forward graph.
 //
 typedef struct {
   const char *name;
