@@ -174,7 +174,7 @@ typedef struct {
   FuseRejection *rej;
   int nrej, rcap;
   int *rej_at, rej_mask; // an open-addressed index of rej by (a, b): indices, -1 where free
-  // For creates_cycle: per node, the largest input id of the members of any group that has held a
+  // For fuse_creates_cycle: per node, the largest input id of the members of any group that has held a
   // member at that node or after it, as a tree of prefix maxima (reach_tree; reach_bound says why).
   int *reach;
   // scratch
@@ -188,11 +188,11 @@ static IrNode *node(const Fuser *F, int id) { return F->g->nodes[id]; }
 static Op op_of(const Fuser *F, int id) { return F->g->nodes[id]->op; }
 static int64_t numel(const Fuser *F, int id) { return shape_numel(F->g->nodes[id]->shape); }
 
-static bool is_leaf(Op op) {
+static bool fuse_is_leaf(Op op) {
   return op == OP_INPUT || op == OP_PARAM || op == OP_STATE || op == OP_SCALAR || op == OP_CONST;
 }
 
-static bool is_unary(Op op) {
+static bool fuse_is_unary(Op op) {
   switch (op) {
   case OP_NEG: case OP_EXP: case OP_LOG: case OP_TANH: case OP_SQRT: case OP_RSQRT: case OP_RELU:
   case OP_GELU: case OP_SILU: case OP_SIGMOID: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT: case OP_DROPOUT:
@@ -201,7 +201,7 @@ static bool is_unary(Op op) {
   }
 }
 
-static bool is_binary(Op op) {
+static bool fuse_is_binary(Op op) {
   switch (op) {
   case OP_ADD: case OP_SUB: case OP_MUL: case OP_DIV: case OP_RELU_BWD: case OP_GELU_BWD:
   case OP_SILU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_COMPARE: case OP_MINIMUM: case OP_MAXIMUM:
@@ -210,18 +210,18 @@ static bool is_binary(Op op) {
   }
 }
 
-static bool is_elementwise(Op op) {
+static bool fuse_is_elementwise(Op op) {
   switch (op) {
   case OP_BROADCAST: case OP_PERMUTE: case OP_SLICE: case OP_SLICE_BWD: case OP_CONCAT:
   case OP_RESHAPE: case OP_WHERE: return true;
-  default: return is_unary(op) || is_binary(op);
+  default: return fuse_is_unary(op) || fuse_is_binary(op);
   }
 }
 
-static bool is_reduction(Op op) { return op == OP_SUM || op == OP_MEAN || op == OP_MAX; }
+static bool fuse_is_reduction(Op op) { return op == OP_SUM || op == OP_MEAN || op == OP_MAX; }
 
 // Cheap enough to evaluate again for every element that reads it through a broadcast.
-static bool is_cheap(Op op) {
+static bool fuse_is_cheap(Op op) {
   switch (op) {
   case OP_NEG: case OP_RELU: case OP_ABS: case OP_CLAMP: case OP_STOP_GRADIENT: case OP_ADD: case OP_SUB: case OP_MUL:
   case OP_DIV: case OP_RELU_BWD: case OP_ABS_BWD: case OP_CLAMP_BWD: case OP_COMPARE: case OP_WHERE:
@@ -233,7 +233,7 @@ static bool is_cheap(Op op) {
 }
 
 // The kind of a step made of this op alone.
-static StepKind kind_of(Op op) {
+static StepKind fuse_kind_of(Op op) {
   switch (op) {
   case OP_MATMUL: return STEP_GEMM;
   case OP_ATTENTION: case OP_ATTENTION_LSE: case OP_ATTENTION_BWD: return STEP_ATTENTION;
@@ -253,17 +253,17 @@ const char *step_kind_name(StepKind k) {
   return "?";
 }
 
-static const char *shape_text(const Fuser *F, int id) {
+static const char *fuse_shape_text(const Fuser *F, int id) {
   char buf[128];
   return arena_strdup(F->a, shape_str(node(F, id)->shape, buf, sizeof buf));
 }
 
 // Does consumer c read its input p at c's own flat index (every operand slot that holds p)?
-static bool reads_identity(const Fuser *F, int c, int p) {
+static bool fuse_reads_identity(const Fuser *F, int c, int p) {
   IrNode *n = node(F, c);
-  if (n->op == OP_RESHAPE || is_unary(n->op))
+  if (n->op == OP_RESHAPE || fuse_is_unary(n->op))
     return true;
-  if (!is_binary(n->op))
+  if (!fuse_is_binary(n->op))
     return false;
   for (int k = 0; k < n->nin; k++)
     if (n->in[k] == p && !shape_eq(node(F, p)->shape, n->shape))
@@ -272,17 +272,17 @@ static bool reads_identity(const Fuser *F, int c, int p) {
 }
 
 // Does consumer c read some element of p more than once (a broadcast)?
-static bool reads_many_to_one(const Fuser *F, int c, int p) {
+static bool fuse_reads_many_to_one(const Fuser *F, int c, int p) {
   IrNode *n = node(F, c);
-  if (n->op == OP_BROADCAST || is_binary(n->op))
+  if (n->op == OP_BROADCAST || fuse_is_binary(n->op))
     return numel(F, p) < numel(F, c);
   return false;
 }
 
 // A slot of an open-addressed table of `mask + 1` ints for the key (a, b): the slot holding an index
 // i with same(i), or the free slot (-1) where such an index would go.
-static int pair_slot(const int *table, int mask, int a, int b, bool (*same)(const void *, int, int, int),
-                     const void *ctx) {
+static int fuse_pair_slot(const int *table, int mask, int a, int b, bool (*same)(const void *, int, int, int),
+                          const void *ctx) {
   uint64_t h = ((uint64_t)(uint32_t)a * 0x9E3779B97F4A7C15u) ^ ((uint64_t)(uint32_t)b * 0xC2B2AE3D27D4EB4Fu);
   int at = (int)((h ^ (h >> 29)) & (uint64_t)mask);
   while (table[at] >= 0 && !same(ctx, table[at], a, b))
@@ -299,11 +299,11 @@ static bool same_rejection(const void *ctx, int i, int a, int b) {
 static int rejection_of(const Fuser *F, int a, int b) {
   if (!F->rej_at)
     return -1;
-  return F->rej_at[pair_slot(F->rej_at, F->rej_mask, a, b, same_rejection, F)];
+  return F->rej_at[fuse_pair_slot(F->rej_at, F->rej_mask, a, b, same_rejection, F)];
 }
 
-static void reject(Fuser *F, int a, int b, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static void reject(Fuser *F, int a, int b, const char *fmt, ...) {
+static void fuse_reject(Fuser *F, int a, int b, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void fuse_reject(Fuser *F, int a, int b, const char *fmt, ...) {
   if (rejection_of(F, a, b) >= 0)
     return;
   if (F->nrej == F->rcap) {
@@ -316,7 +316,7 @@ static void reject(Fuser *F, int a, int b, const char *fmt, ...) {
     F->rej_at = arena_alloc(F->a, sizeof(int) * (size_t)(F->rej_mask + 1));
     memset(F->rej_at, -1, sizeof(int) * (size_t)(F->rej_mask + 1));
     for (int i = 0; i < F->nrej; i++)
-      F->rej_at[pair_slot(F->rej_at, F->rej_mask, F->rej[i].a, F->rej[i].b, same_rejection, F)] = i;
+      F->rej_at[fuse_pair_slot(F->rej_at, F->rej_mask, F->rej[i].a, F->rej[i].b, same_rejection, F)] = i;
   }
   char buf[256];
   va_list ap;
@@ -324,19 +324,19 @@ static void reject(Fuser *F, int a, int b, const char *fmt, ...) {
   vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
   F->rej[F->nrej] = (FuseRejection){a, b, arena_strdup(F->a, buf)};
-  F->rej_at[pair_slot(F->rej_at, F->rej_mask, a, b, same_rejection, F)] = F->nrej++;
+  F->rej_at[fuse_pair_slot(F->rej_at, F->rej_mask, a, b, same_rejection, F)] = F->nrej++;
 }
 
 // A later rule's reason for a pair replaces an earlier one: it is the reason the pair stays apart.
-static void reject_again(Fuser *F, int a, int b, const char *why) {
+static void fuse_reject_again(Fuser *F, int a, int b, const char *why) {
   int i = rejection_of(F, a, b);
   if (i >= 0)
     F->rej[i].reason = arena_strdup(F->a, why);
   else
-    reject(F, a, b, "%s", why);
+    fuse_reject(F, a, b, "%s", why);
 }
 
-// creates_cycle's bound. reach_note records that a group holds node id, which reads inputs up to
+// fuse_creates_cycle's bound. reach_note records that a group holds node id, which reads inputs up to
 // `last`; reach_bound(x) is the least b >= x such that every group with a member at or before b
 // reads nothing after b (at least: the records only grow, so stale ones only make b larger). From a
 // node after b that is in no such group, every path goes on through nodes after b (ids are a
@@ -362,7 +362,7 @@ static int reach_bound(const Fuser *F, int x) {
   return x;
 }
 
-static void add_member(Fuser *F, int gi, int id) {
+static void fuse_add_member(Fuser *F, int gi, int id) {
   Group *G = &F->groups[gi];
   if (G->n == G->cap) {
     G->cap = G->cap ? 2 * G->cap : 8;
@@ -381,7 +381,7 @@ static void add_member(Fuser *F, int gi, int id) {
   reach_note(F, G->lo, G->last);
 }
 
-static void remove_member(Fuser *F, int gi, int id) {
+static void fuse_remove_member(Fuser *F, int gi, int id) {
   Group *G = &F->groups[gi];
   for (int i = 0; i < G->n; i++)
     if (G->m[i] == id) {
@@ -392,7 +392,7 @@ static void remove_member(Fuser *F, int gi, int id) {
   F->grp[id] = -1;
 }
 
-static int new_group(Fuser *F, StepKind kind, int root) {
+static int fuse_new_group(Fuser *F, StepKind kind, int root) {
   if (F->ngroups == F->gcap) {
     F->gcap = F->gcap ? 2 * F->gcap : 64;
     Group *g = arena_alloc(F->a, sizeof *g * (size_t)F->gcap);
@@ -402,7 +402,7 @@ static int new_group(Fuser *F, StepKind kind, int root) {
   }
   int gi = F->ngroups++;
   F->groups[gi] = (Group){.kind = kind, .root = root, .last = -1};
-  add_member(F, gi, root);
+  fuse_add_member(F, gi, root);
   return gi;
 }
 
@@ -419,7 +419,7 @@ static bool read_as_output(const Fuser *F, int v) {
 
 // Is member v of group gi one of its outs (written to memory): read by another step, the loss, an
 // ADAMW or GRAD_NORM, read as a model output (read_as_output), or read by nobody?
-static bool is_out(const Fuser *F, int gi, int v) {
+static bool fuse_is_out(const Fuser *F, int gi, int v) {
   Op op = op_of(F, v);
   bool out = F->nusers[v] == 0 || v == F->g->loss || op == OP_ADAMW || op == OP_GRAD_NORM || read_as_output(F, v);
   for (int k = 0; k < F->nusers[v] && !out; k++)
@@ -436,7 +436,7 @@ static bool may_lead_back(const Fuser *F, int u, int bound) {
 
 // Would group gi, grown by the nodes xs, depend on itself through nodes outside it? Walks the
 // readers of the grown group; a node that belongs to another group stands for the whole group.
-static bool creates_cycle(Fuser *F, int gi, const int *xs, int nx) {
+static bool fuse_creates_cycle(Fuser *F, int gi, const int *xs, int nx) {
   int nm = gi >= 0 ? F->groups[gi].n : 0, top = 0;
   for (int i = 0; i < nx; i++) {
     F->extra[xs[i]] = true;
@@ -495,7 +495,7 @@ static bool creates_cycle(Fuser *F, int gi, const int *xs, int nx) {
 
 // How many buffers group gi, grown by the nodes xs, would address: the distinct values its members
 // read from outside it (CONSTs apart: emitters write them inline) and the members read outside it or
-// kept (its outs, as is_out says, with the group grown).
+// kept (its outs, as fuse_is_out says, with the group grown).
 static int buffers_with(Fuser *F, int gi, const int *xs, int nx) {
   for (int i = 0; i < nx; i++)
     F->extra[xs[i]] = true;
@@ -523,19 +523,19 @@ static int buffers_with(Fuser *F, int gi, const int *xs, int nx) {
 }
 
 // Would group gi grown by xs address more buffers than a kernel may (FUSE_MAX_BUFFERS)?
-static bool too_many_buffers(Fuser *F, int gi, const int *xs, int nx) {
+static bool fuse_too_many_buffers(Fuser *F, int gi, const int *xs, int nx) {
   return buffers_with(F, gi, xs, nx) > FUSE_MAX_BUFFERS;
 }
 
-static const char *buffer_cap(const Fuser *F) {
+static const char *fuse_buffer_cap(const Fuser *F) {
   return arena_printf(F->a, "buffer cap (%d buffers a kernel)", FUSE_MAX_BUFFERS);
 }
 
 // Adds id to group gi unless that would make the steps cyclic.
-static bool try_add(Fuser *F, int gi, int id) {
-  if (creates_cycle(F, gi, &id, 1))
+static bool fuse_try_add(Fuser *F, int gi, int id) {
+  if (fuse_creates_cycle(F, gi, &id, 1))
     return false;
-  add_member(F, gi, id);
+  fuse_add_member(F, gi, id);
   return true;
 }
 
@@ -551,17 +551,17 @@ static void rule_optimizer(Fuser *F) {
   for (int i = 0; i < g->n; i++) {
     if (op_of(F, i) != OP_GRAD_NORM || F->grp[i] >= 0)
       continue;
-    int gi = new_group(F, STEP_OPTIMIZER, i), later = -1;
+    int gi = fuse_new_group(F, STEP_OPTIMIZER, i), later = -1;
     for (int k = 0; k < F->nusers[i]; k++) {
       int u = F->users[i][k];
       if (op_of(F, u) != OP_ADAMW || F->grp[u] >= 0)
         continue;
       if (F->opt.optimizer_per_param)
-        new_group(F, STEP_OPTIMIZER, u);
+        fuse_new_group(F, STEP_OPTIMIZER, u);
       else if (node(F, u)->ia[0] == OPT_MUON && later < 0) // (it reads the norm through Newton-Schulz)
-        later = new_group(F, STEP_OPTIMIZER, u);
-      else if (!try_add(F, node(F, u)->ia[0] == OPT_MUON ? later : gi, u))
-        reject(F, i, u, "would make the steps cyclic");
+        later = fuse_new_group(F, STEP_OPTIMIZER, u);
+      else if (!fuse_try_add(F, node(F, u)->ia[0] == OPT_MUON ? later : gi, u))
+        fuse_reject(F, i, u, "would make the steps cyclic");
     }
   }
 }
@@ -666,15 +666,15 @@ static void rule_lmhead(Fuser *F) {
     const char *why = match_lmhead(F, i, list, &n, &ce);
     if (ce < 0)
       continue;
-    if (!why && creates_cycle(F, -1, list, n))
+    if (!why && fuse_creates_cycle(F, -1, list, n))
       why = "the loss' gradient depends on the loss itself";
     if (why) {
-      reject(F, i, ce, "LM head not chunked: %s", why);
+      fuse_reject(F, i, ce, "LM head not chunked: %s", why);
       continue;
     }
-    int gi = new_group(F, STEP_LMHEAD, i);
+    int gi = fuse_new_group(F, STEP_LMHEAD, i);
     for (int k = 1; k < n; k++)
-      add_member(F, gi, list[k]);
+      fuse_add_member(F, gi, list[k]);
   }
 }
 
@@ -723,25 +723,25 @@ static void rule_siblings(Fuser *F) {
       for (int k = 0; k < ns; k++)
         if (which_of(node(F, sib[k])) == 0)
           root = sib[k];
-      int gi = new_group(F, kind_of(n->op), root);
+      int gi = fuse_new_group(F, fuse_kind_of(n->op), root);
       for (int k = 0; k < ns; k++)
-        if (sib[k] != root && !try_add(F, gi, sib[k]))
-          reject(F, root, sib[k], "would make the steps cyclic");
+        if (sib[k] != root && !fuse_try_add(F, gi, sib[k]))
+          fuse_reject(F, root, sib[k], "would make the steps cyclic");
     } else if (n->op == OP_ATTENTION) {
-      int gi = new_group(F, STEP_ATTENTION, i), q = n->in[0];
+      int gi = fuse_new_group(F, STEP_ATTENTION, i), q = n->in[0];
       for (int k = 0; k < F->nusers[q]; k++) {
         IrNode *u = node(F, F->users[q][k]);
-        if (F->grp[u->id] < 0 && lse_of(n, u) && !try_add(F, gi, u->id))
-          reject(F, i, u->id, "would make the steps cyclic");
+        if (F->grp[u->id] < 0 && lse_of(n, u) && !fuse_try_add(F, gi, u->id))
+          fuse_reject(F, i, u->id, "would make the steps cyclic");
       }
     } else if (n->op == OP_CROSS_ENTROPY) {
-      int gi = new_group(F, STEP_KERNEL, i), lg = n->in[0];
+      int gi = fuse_new_group(F, STEP_KERNEL, i), lg = n->in[0];
       for (int k = 0; k < F->nusers[lg]; k++) {
         IrNode *u = node(F, F->users[lg][k]);
         if (u->op != OP_CROSS_ENTROPY_BWD || u->in[0] != lg || u->in[1] != n->in[1] || F->grp[u->id] >= 0)
           continue;
-        if (!try_add(F, gi, u->id))
-          reject(F, i, u->id, "the loss' gradient depends on the loss itself");
+        if (!fuse_try_add(F, gi, u->id))
+          fuse_reject(F, i, u->id, "the loss' gradient depends on the loss itself");
       }
     }
   }
@@ -759,22 +759,22 @@ static bool crosses_into_backward(const Fuser *F, int root, int u) {
 // Why u cannot extend the epilogue of group gi whose chain ends at t, or NULL when it can.
 static const char *epilogue_refusal(Fuser *F, int gi, int t, int u) {
   IrNode *n = node(F, u);
-  if (!is_elementwise(n->op))
+  if (!fuse_is_elementwise(n->op))
     return NULL; // not a candidate; the kinds of the two steps say why
-  if (n->op != OP_RESHAPE && !is_unary(n->op) && !is_binary(n->op))
+  if (n->op != OP_RESHAPE && !fuse_is_unary(n->op) && !fuse_is_binary(n->op))
     return arena_printf(F->a, "%s remaps the GEMM's output index", op_name(n->op));
-  if (!reads_identity(F, u, t))
-    return arena_printf(F->a, "iteration spaces differ: %s vs %s", shape_text(F, t), shape_text(F, u));
+  if (!fuse_reads_identity(F, u, t))
+    return arena_printf(F->a, "iteration spaces differ: %s vs %s", fuse_shape_text(F, t), fuse_shape_text(F, u));
   if (crosses_into_backward(F, F->groups[gi].root, u))
     return "the forward step does not compute backward values";
   for (int k = 0; k < n->nin; k++)
-    if (F->grp[n->in[k]] == gi && !reads_identity(F, u, n->in[k]))
+    if (F->grp[n->in[k]] == gi && !fuse_reads_identity(F, u, n->in[k]))
       return "reads another epilogue value through a broadcast";
   if (F->groups[gi].n >= F->max_group)
     return arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
-  if (too_many_buffers(F, gi, &u, 1))
-    return buffer_cap(F);
-  if (creates_cycle(F, gi, &u, 1))
+  if (fuse_too_many_buffers(F, gi, &u, 1))
+    return fuse_buffer_cap(F);
+  if (fuse_creates_cycle(F, gi, &u, 1))
     return "would make the steps cyclic (its other operand depends on this GEMM)";
   return NULL;
 }
@@ -784,22 +784,22 @@ static void rule_gemm(Fuser *F) {
   for (int i = 0; i < g->n; i++) {
     if (op_of(F, i) != OP_MATMUL || F->grp[i] >= 0)
       continue;
-    int gi = new_group(F, STEP_GEMM, i);
+    int gi = fuse_new_group(F, STEP_GEMM, i);
     for (int t = i;;) {
       int next = -1;
       for (int k = 0; k < F->nusers[t] && next < 0; k++) {
         int u = F->users[t][k];
-        if (F->grp[u] >= 0 || !is_elementwise(op_of(F, u)))
+        if (F->grp[u] >= 0 || !fuse_is_elementwise(op_of(F, u)))
           continue;
         const char *why = epilogue_refusal(F, gi, t, u);
         if (why)
-          reject(F, t, u, "%s", why);
+          fuse_reject(F, t, u, "%s", why);
         else
           next = u;
       }
       if (next < 0)
         break;
-      add_member(F, gi, next);
+      fuse_add_member(F, gi, next);
       t = next;
     }
   }
@@ -815,19 +815,19 @@ static void rule_rowwise(Fuser *F) {
     if (F->grp[i] >= 0)
       continue;
     if (n->op == OP_SOFTMAX || n->op == OP_SOFTMAX_BWD) {
-      new_group(F, STEP_KERNEL, i);
+      fuse_new_group(F, STEP_KERNEL, i);
       continue;
     }
     if (n->op != OP_LAYERNORM && n->op != OP_RMSNORM)
       continue;
-    int gi = new_group(F, STEP_KERNEL, i), x = n->in[0];
+    int gi = fuse_new_group(F, STEP_KERNEL, i), x = n->in[0];
     if (op_of(F, x) != OP_ADD || !shape_eq(node(F, x)->shape, n->shape))
       continue;
     int h = F->grp[x];
     if (h >= 0)
-      reject(F, x, i, "the ADD is already in the epilogue of %s", where(F, F->groups[h].root));
-    else if (!try_add(F, gi, x))
-      reject(F, x, i, "would make the steps cyclic");
+      fuse_reject(F, x, i, "the ADD is already in the epilogue of %s", where(F, F->groups[h].root));
+    else if (!fuse_try_add(F, gi, x))
+      fuse_reject(F, x, i, "would make the steps cyclic");
   }
 }
 
@@ -837,8 +837,8 @@ static void rule_rowwise(Fuser *F) {
 static void rule_singles(Fuser *F) {
   for (int i = 0; i < F->g->n; i++) {
     Op op = op_of(F, i);
-    if (F->grp[i] < 0 && !is_leaf(op) && !is_elementwise(op) && !is_reduction(op))
-      new_group(F, kind_of(op), i);
+    if (F->grp[i] < 0 && !fuse_is_leaf(op) && !fuse_is_elementwise(op) && !fuse_is_reduction(op))
+      fuse_new_group(F, fuse_kind_of(op), i);
   }
 }
 
@@ -859,7 +859,7 @@ static void pull_producers(Fuser *F, int gi, int from) {
       continue;
     F->cand[p] = false;
     Op op = op_of(F, p);
-    if (is_leaf(op) || F->grp[p] >= 0 || !is_elementwise(op))
+    if (fuse_is_leaf(op) || F->grp[p] >= 0 || !fuse_is_elementwise(op))
       continue;
     int reader = -1, outside = -1;
     bool many = false;
@@ -872,26 +872,26 @@ static void pull_producers(Fuser *F, int gi, int from) {
       }
       if (reader < 0)
         reader = u;
-      many |= F->bcast[u] || reads_many_to_one(F, u, p);
+      many |= F->bcast[u] || fuse_reads_many_to_one(F, u, p);
     }
     if (outside >= 0) {
-      reject(F, p, reader, "producer has readers outside the group (%s)", where(F, outside));
+      fuse_reject(F, p, reader, "producer has readers outside the group (%s)", where(F, outside));
       continue;
     }
-    if (many && !is_cheap(op)) {
-      reject(F, p, reader, "iteration spaces differ: %s vs %s (%s would be recomputed per element)",
-             shape_text(F, p), shape_text(F, reader), op_name(op));
+    if (many && !fuse_is_cheap(op)) {
+      fuse_reject(F, p, reader, "iteration spaces differ: %s vs %s (%s would be recomputed per element)",
+                  fuse_shape_text(F, p), fuse_shape_text(F, reader), op_name(op));
       continue;
     }
     if (G->n >= F->max_group) {
-      reject(F, p, reader, "group size cap (%d nodes)", F->max_group);
+      fuse_reject(F, p, reader, "group size cap (%d nodes)", F->max_group);
       continue;
     }
-    if (too_many_buffers(F, gi, &p, 1)) {
-      reject(F, p, reader, "%s", buffer_cap(F));
+    if (fuse_too_many_buffers(F, gi, &p, 1)) {
+      fuse_reject(F, p, reader, "%s", fuse_buffer_cap(F));
       continue;
     }
-    add_member(F, gi, p);
+    fuse_add_member(F, gi, p);
     F->bcast[p] = many;
     IrNode *n = node(F, p);
     for (int k = 0; k < n->nin; k++)
@@ -906,13 +906,13 @@ static void pull_producers(Fuser *F, int gi, int from) {
 static void grow_chain(Fuser *F, int gi, int r) {
   for (int t = r;;) {
     int u = only_user(F, t);
-    if (u < 0 || F->grp[u] >= 0 || !is_elementwise(op_of(F, u)))
+    if (u < 0 || F->grp[u] >= 0 || !fuse_is_elementwise(op_of(F, u)))
       break;
     IrNode *n = node(F, u);
     const char *why = NULL;
-    if (!(n->op == OP_RESHAPE || is_unary(n->op) || is_binary(n->op)) || !reads_identity(F, u, t) ||
+    if (!(n->op == OP_RESHAPE || fuse_is_unary(n->op) || fuse_is_binary(n->op)) || !fuse_reads_identity(F, u, t) ||
         numel(F, u) != numel(F, r))
-      why = arena_printf(F->a, "iteration spaces differ: %s vs %s", shape_text(F, t), shape_text(F, u));
+      why = arena_printf(F->a, "iteration spaces differ: %s vs %s", fuse_shape_text(F, t), fuse_shape_text(F, u));
     for (int k = 0; k < n->nin && !why; k++) {
       int x = n->in[k];
       if (F->grp[x] == gi && x != t && (x < r || !shape_eq(node(F, x)->shape, n->shape)))
@@ -922,15 +922,15 @@ static void grow_chain(Fuser *F, int gi, int r) {
       why = "the forward step does not compute backward values";
     if (!why && F->groups[gi].n >= F->max_group)
       why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
-    if (!why && too_many_buffers(F, gi, &u, 1))
-      why = buffer_cap(F);
-    if (!why && creates_cycle(F, gi, &u, 1))
+    if (!why && fuse_too_many_buffers(F, gi, &u, 1))
+      why = fuse_buffer_cap(F);
+    if (!why && fuse_creates_cycle(F, gi, &u, 1))
       why = "would make the steps cyclic";
     if (why) {
-      reject(F, t, u, "%s", why);
+      fuse_reject(F, t, u, "%s", why);
       break;
     }
-    add_member(F, gi, u);
+    fuse_add_member(F, gi, u);
     t = u;
   }
 }
@@ -949,9 +949,9 @@ static void rule_reductions(Fuser *F) {
       grow_chain(F, F->grp[r], r); // the tied table's gradient: lm head's + the embedding's
       continue;
     }
-    if (!is_reduction(op_of(F, r)) || F->grp[r] >= 0)
+    if (!fuse_is_reduction(op_of(F, r)) || F->grp[r] >= 0)
       continue;
-    int gi = new_group(F, STEP_KERNEL, r);
+    int gi = fuse_new_group(F, STEP_KERNEL, r);
     pull_producers(F, gi, r);
     grow_chain(F, gi, r);
   }
@@ -959,9 +959,9 @@ static void rule_reductions(Fuser *F) {
 
 static void rule_elementwise(Fuser *F) {
   for (int c = F->g->n - 1; c >= 0; c--) {
-    if (F->grp[c] >= 0 || !is_elementwise(op_of(F, c)))
+    if (F->grp[c] >= 0 || !fuse_is_elementwise(op_of(F, c)))
       continue;
-    int gi = new_group(F, STEP_KERNEL, c);
+    int gi = fuse_new_group(F, STEP_KERNEL, c);
     pull_producers(F, gi, c);
   }
 }
@@ -989,25 +989,25 @@ static void rule_casts(Fuser *F) {
     int gi = F->grp[x];
     bool attention = gi >= 0 && F->groups[gi].kind == STEP_ATTENTION && op_of(F, F->groups[gi].root) == OP_ATTENTION &&
                      x == F->groups[gi].root && node(F, c)->dtype == DT_BF16;
-    if (gi < 0 || (F->groups[gi].kind != STEP_KERNEL && !attention) || is_reduction(op_of(F, F->groups[gi].root)) ||
-        numel(F, x) != numel(F, c))
+    if (gi < 0 || (F->groups[gi].kind != STEP_KERNEL && !attention) ||
+        fuse_is_reduction(op_of(F, F->groups[gi].root)) || numel(F, x) != numel(F, c))
       continue;
     const char *why = NULL;
     if (crosses_into_backward(F, F->groups[gi].root, c))
       why = "the forward step does not compute backward values";
     else if (F->groups[gi].n + nmoved > F->max_group)
       why = arena_printf(F->a, "group size cap (%d nodes)", F->max_group);
-    else if (too_many_buffers(F, gi, moved, nmoved))
-      why = buffer_cap(F);
-    else if (creates_cycle(F, gi, moved, nmoved))
+    else if (fuse_too_many_buffers(F, gi, moved, nmoved))
+      why = fuse_buffer_cap(F);
+    else if (fuse_creates_cycle(F, gi, moved, nmoved))
       why = "would make the steps cyclic";
     if (why) {
-      reject(F, x, c, "%s", why);
+      fuse_reject(F, x, c, "%s", why);
       continue;
     }
     for (int k = 0; k < nmoved; k++) {
-      remove_member(F, F->grp[moved[k]], moved[k]);
-      add_member(F, gi, moved[k]);
+      fuse_remove_member(F, F->grp[moved[k]], moved[k]);
+      fuse_add_member(F, gi, moved[k]);
     }
   }
 }
@@ -1020,11 +1020,11 @@ static void rule_casts(Fuser *F) {
 static bool elementwise_over(const Fuser *F, int gi, int64_t n) {
   const Group *G = &F->groups[gi];
   bool gemm = G->kind == STEP_GEMM && op_of(F, G->root) == OP_MATMUL && numel(F, G->root) == n;
-  bool kernel = G->kind == STEP_KERNEL && is_elementwise(op_of(F, G->root)) && numel(F, G->root) == n;
+  bool kernel = G->kind == STEP_KERNEL && fuse_is_elementwise(op_of(F, G->root)) && numel(F, G->root) == n;
   if (G->n == 0 || (!gemm && !kernel))
     return false;
   for (int i = 0; i < G->n; i++)
-    if (is_out(F, gi, G->m[i]) && numel(F, G->m[i]) != n)
+    if (fuse_is_out(F, gi, G->m[i]) && numel(F, G->m[i]) != n)
       return false;
   return true;
 }
@@ -1054,25 +1054,25 @@ static void merge_reduction(Fuser *F, int into, int from, const int *chain, int 
   for (int c = 0; c < nchain; c++)
     if (F->grp[chain[c]] != into && F->grp[chain[c]] != from)
       moved[nmoved++] = chain[c];
-  if (!why && too_many_buffers(F, into, moved, nmoved))
-    why = buffer_cap(F);
-  if (!why && creates_cycle(F, into, moved, nmoved))
+  if (!why && fuse_too_many_buffers(F, into, moved, nmoved))
+    why = fuse_buffer_cap(F);
+  if (!why && fuse_creates_cycle(F, into, moved, nmoved))
     why = "would make the steps cyclic";
   if (why) {
-    reject_again(F, x, nchain ? chain[nchain - 1] : r, why);
+    fuse_reject_again(F, x, nchain ? chain[nchain - 1] : r, why);
     return;
   }
   for (int k = 0; k < nmoved; k++) {
     if (F->grp[moved[k]] >= 0)
-      remove_member(F, F->grp[moved[k]], moved[k]);
-    add_member(F, into, moved[k]);
+      fuse_remove_member(F, F->grp[moved[k]], moved[k]);
+    fuse_add_member(F, into, moved[k]);
   }
 }
 
 static void rule_reduction_producers(Fuser *F) {
   for (int r = 0; r < F->g->n; r++) {
     int gi = F->grp[r];
-    if (!is_reduction(op_of(F, r)) || gi < 0 || F->groups[gi].root != r)
+    if (!fuse_is_reduction(op_of(F, r)) || gi < 0 || F->groups[gi].root != r)
       continue;
     // The reduction's input through the RESHAPEs between (its own members, or alone in their steps:
     // views to be).
@@ -1131,7 +1131,7 @@ static void rule_copies(Fuser *F) {
                  F->groups[F->grp[F->users[p][k]]].kind == STEP_OPTIMIZER;
     if (!updated || F->copy_of[p] >= 0)
       continue;
-    remove_member(F, gi, c);
+    fuse_remove_member(F, gi, c);
     F->copy_of[p] = c;
   }
 }
@@ -1161,7 +1161,7 @@ static bool view_allowed(Fuser *F, int r) {
     return true;
   int b = view_base(F, node(F, r)->in[0]);
   IrNode *n = node(F, b);
-  return !is_leaf(n->op) && n->grad_of < 0 && n->op != OP_ADAMW && n->op != OP_GRAD_NORM && !F->pinned[b] &&
+  return !fuse_is_leaf(n->op) && n->grad_of < 0 && n->op != OP_ADAMW && n->op != OP_GRAD_NORM && !F->pinned[b] &&
          b != g->loss;
 }
 
@@ -1188,7 +1188,7 @@ static bool attention_slice(const Fuser *F, int r) {
 
 // Turns RESHAPEs into views: those whose input is materialised, and those read outside their step
 // (whose input then becomes an out); and the SLICEs only attention reads (attention_slice).
-static void resolve_views(Fuser *F) {
+static void fuse_resolve_views(Fuser *F) {
   Graph *g = F->g;
   for (bool changed = true; changed;) {
     changed = false;
@@ -1198,14 +1198,14 @@ static void resolve_views(Fuser *F) {
       if ((op_of(F, r) != OP_RESHAPE && !slice) || gi < 0)
         continue;
       int x = node(F, r)->in[0];
-      bool mat = F->view[x] || (is_leaf(op_of(F, x)) && op_of(F, x) != OP_CONST) ||
+      bool mat = F->view[x] || (fuse_is_leaf(op_of(F, x)) && op_of(F, x) != OP_CONST) ||
                  (F->grp[x] >= 0 && F->grp[x] != gi) || is_copy(F, x);
       bool read_outside = F->nusers[r] == 0 || r == g->loss;
       for (int k = 0; k < F->nusers[r]; k++)
         read_outside |= F->grp[F->users[r][k]] != gi;
       if ((!mat && !(F->grp[x] == gi && read_outside)) || !view_allowed(F, r))
         continue;
-      remove_member(F, gi, r);
+      fuse_remove_member(F, gi, r);
       F->view[r] = true;
       if (node(F, r)->grad_of >= 0)
         F->pinned[view_base(F, r)] = true;
@@ -1425,7 +1425,7 @@ static const char *generic_reason(const Fuser *F, const Fusion *f, int p, int c)
   if (cop == OP_GATHER || cop == OP_GATHER_BWD || cop == OP_SCATTER_ADD)
     return arena_printf(F->a, "consumer is a %s kernel (it reads at offsets computed from indices: its inputs come "
                         "from memory)", op_name(cop));
-  if (sc->kind == STEP_KERNEL && !is_elementwise(croot) && !is_reduction(croot))
+  if (sc->kind == STEP_KERNEL && !fuse_is_elementwise(croot) && !fuse_is_reduction(croot))
     return arena_printf(F->a, "consumer is a %s kernel (its inputs come from memory)", op_name(croot));
   if (sc->kind == STEP_GEMM)
     return "consumer is in a GEMM epilogue (its other operands come from memory)";
@@ -1437,10 +1437,10 @@ static const char *generic_reason(const Fuser *F, const Fusion *f, int p, int c)
   if (pop == OP_GATHER_BWD || pop == OP_SCATTER_ADD)
     return arena_printf(F->a, "producer is a %s kernel (an element is final only after every source is added)",
                         op_name(pop));
-  if (!is_elementwise(pop) && !is_reduction(pop))
+  if (!fuse_is_elementwise(pop) && !fuse_is_reduction(pop))
     return arena_printf(F->a, "producer is a %s kernel (no epilogue fusion)", op_name(op_of(F, sp->root)));
   if (numel(F, p) != numel(F, c))
-    return arena_printf(F->a, "iteration spaces differ: %s vs %s", shape_text(F, p), shape_text(F, c));
+    return arena_printf(F->a, "iteration spaces differ: %s vs %s", fuse_shape_text(F, p), fuse_shape_text(F, c));
   return "producer has readers outside the group";
 }
 
@@ -1475,10 +1475,10 @@ static void unmaterialised_traffic(const Fuser *F, int gi, Step *st) {
   // reduction's loop to read: the emitters cannot sum inside the library's GEMM.
   bool reduces = false;
   for (int j = 0; j < G->n; j++)
-    reduces |= is_reduction(op_of(F, G->m[j]));
+    reduces |= fuse_is_reduction(op_of(F, G->m[j]));
   if (G->kind == STEP_GEMM && reduces) {
     st->bytes_read += root;
-    if (!is_out(F, gi, G->root))
+    if (!fuse_is_out(F, gi, G->root))
       st->bytes_written += root;
   }
   // The LM head's logits (its root, or the root's CAST that the loss reads with bf16) and their
@@ -1506,7 +1506,7 @@ static void unmaterialised_traffic(const Fuser *F, int gi, Step *st) {
   }
 }
 
-// A set of pairs (producer, step), as pair_slot's table of indices into p and s.
+// A set of pairs (producer, step), as fuse_pair_slot's table of indices into p and s.
 typedef struct {
   int *p, *s, n;
 } Told;
@@ -1518,7 +1518,7 @@ static bool same_told(const void *ctx, int i, int p, int s) {
 
 // Adds (p, s) to the set; false when it was there.
 static bool tell(Told *t, int *table, int mask, int p, int s) {
-  int at = pair_slot(table, mask, p, s, same_told, t);
+  int at = fuse_pair_slot(table, mask, p, s, same_told, t);
   if (table[at] >= 0)
     return false;
   t->p[t->n] = p;
@@ -1527,7 +1527,7 @@ static bool tell(Told *t, int *table, int mask, int p, int s) {
   return true;
 }
 
-static Fusion *assemble(Fuser *F) {
+static Fusion *fuse_assemble(Fuser *F) {
   Graph *g = F->g;
   Arena *a = F->a;
   int *live = arena_alloc(a, sizeof(int) * (size_t)(F->ngroups ? F->ngroups : 1)), nlive = 0;
@@ -1548,7 +1548,7 @@ static Fusion *assemble(Fuser *F) {
   f->materialised = arena_alloc(a, sizeof(bool) * (size_t)g->n);
   for (int i = 0; i < g->n; i++) {
     f->step_of[i] = -1;
-    f->materialised[i] = F->view[i] || (is_leaf(op_of(F, i)) && op_of(F, i) != OP_CONST) || is_copy(F, i);
+    f->materialised[i] = F->view[i] || (fuse_is_leaf(op_of(F, i)) && op_of(F, i) != OP_CONST) || is_copy(F, i);
   }
   f->copy_of = F->copy_of;
   for (int s = 0; s < nlive; s++) {
@@ -1565,7 +1565,7 @@ static Fusion *assemble(Fuser *F) {
       int id = st->nodes[j];
       IrNode *n = node(F, id);
       f->step_of[id] = s;
-      if (is_out(F, gi, id)) {
+      if (fuse_is_out(F, gi, id)) {
         push_unique(a, &st->outs, &st->nouts, id);
         f->materialised[id] = true;
         st->bytes_written += dtype_size(n->dtype) * (double)numel(F, id) * (n->op == OP_ADAMW ? 1 + opt_nstate(n) : 1);
@@ -1578,7 +1578,8 @@ static Fusion *assemble(Fuser *F) {
         push_unique(a, &st->ins, &st->nins, x);
         // A view of a member is the member's value, which the kernel computes: a CAST of rule 9
         // rounds it, a reduction of rule 10 sums it; neither reads it back from memory.
-        bool own = F->grp[view_base(F, x)] == gi && (n->op == OP_CAST || G->kind == STEP_KERNEL || is_reduction(n->op));
+        bool own = F->grp[view_base(F, x)] == gi &&
+                   (n->op == OP_CAST || G->kind == STEP_KERNEL || fuse_is_reduction(n->op));
         // An embedding reads the rows its ids pick, at most one per output row, not the whole table.
         double count = (double)numel(F, x);
         if ((n->op == OP_EMBED || n->op == OP_GATHER) && k == 0 && (double)numel(F, id) < count)
@@ -1594,7 +1595,7 @@ static Fusion *assemble(Fuser *F) {
   if (!copies_written(F, f))
     return NULL;
   // One reason per producer and consuming step; the optimizer reads the gradient buffer by design.
-  // (`told` holds the pairs of a producer and a step that have one, as pair_slot's table.)
+  // (`told` holds the pairs of a producer and a step that have one, as fuse_pair_slot's table.)
   int64_t pairs = F->nrej;
   for (int c = 0; c < g->n; c++)
     pairs += node(F, c)->nin;
@@ -1616,7 +1617,7 @@ static Fusion *assemble(Fuser *F) {
       if (f->step_of[p] < 0 || f->step_of[p] == sc)
         continue;
       if (tell(&ctx, told, mask, p, sc))
-        reject(F, p, c, "%s", generic_reason(F, f, p, c));
+        fuse_reject(F, p, c, "%s", generic_reason(F, f, p, c));
     }
   }
   // A pair turned down by one rule may share a step after a later one (rule 9).
@@ -1699,11 +1700,11 @@ Fusion *fuse(Graph *g, FuseOptions opt) {
     rule_copies(F);
   } else {
     for (int i = 0; i < g->n; i++)
-      if (!is_leaf(op_of(F, i)))
-        new_group(F, kind_of(op_of(F, i)), i);
+      if (!fuse_is_leaf(op_of(F, i)))
+        fuse_new_group(F, fuse_kind_of(op_of(F, i)), i);
   }
-  resolve_views(F);
-  return assemble(F);
+  fuse_resolve_views(F);
+  return fuse_assemble(F);
 }
 
 bool fuse_is_copy(const Fusion *f, int node) { return copy_in(f->g, f->copy_of, node); }
