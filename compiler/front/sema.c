@@ -31,7 +31,7 @@
 static void check_model(Sema *s, const Stmt *train) {
   Graph *g = s->g;
   if (train && g->loss < 0)
-    error_at(s, train->at, "a train section, but no 'output loss = ...' (a scalar f32): there is nothing to train");
+    sema_error(s, train->at, "a train section, but no 'output loss = ...' (a scalar f32): there is nothing to train");
   bool *live = arena_alloc(s->a, (size_t)(g->n ? g->n : 1));
   for (int i = 0; i < s->nout; i++)
     live[s->out_nodes[i]] = true;
@@ -60,7 +60,7 @@ Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions 
     diag_error((SrcLoc){.file = p->file, .text = p->text, .line = 1, .col = 1}, "empty file: no model");
     return NULL;
   }
-  const Stmt *train = declare(s);
+  const Stmt *train = sema_declare(s);
   PtrVec sets = {0};
   for (int i = 0; i < s->lower.nsettings; i++) {
     Parser q = {.arena = s->a, .file = "--set", .text = s->lower.settings[i]};
@@ -68,19 +68,19 @@ Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions 
       continue;
     Stmt *st = q.stmts.n == 1 ? q.stmts.v[0] : NULL;
     if (!st || st->kind != S_ASSIGN || st->nnames != 1) {
-      error_at(s, (SrcLoc){.file = q.file, .text = q.text, .line = 1, .col = 1},
-               "--set wants KEY=VALUE (a train setting, a free dim, or an argument of the optimizer or the "
-               "schedule), got '%s'", q.text);
+      sema_error(s, (SrcLoc){.file = q.file, .text = q.text, .line = 1, .col = 1},
+                 "--set wants KEY=VALUE (a train setting, a free dim, or an argument of the optimizer or the "
+                 "schedule), got '%s'", q.text);
       continue;
     }
     vec_push(s->a, &sets, st);
   }
-  bind_dims(s, train, &sets, ov, nov);
-  train_config(s);
+  sema_bind_dims(s, train, &sets, ov, nov);
+  sema_train_config(s);
   s->out_nodes = arena_alloc(s->a, sizeof(int) * (size_t)(s->outputs.n ? s->outputs.n : 1));
-  elaborate(s, (Stmt **)p->stmts.v, p->stmts.n);
-  set_decay(s);
-  set_muon(s);
+  sema_elaborate(s, (Stmt **)p->stmts.v, p->stmts.n);
+  sema_set_decay(s);
+  sema_set_muon(s);
   if (diag_errors == errors)
     check_model(s, train);
   Graph *g = s->g;

@@ -1,6 +1,6 @@
 // sema_builtins.c: the built-in ops (gelu ... conv1d, the table at the bottom): each gets its
 // arguments already evaluated (sema_eval.c evaluates them as the table says) and appends the graph
-// nodes that compute it. Also the node building the evaluator shares (add_op, reshape, a scalar
+// nodes that compute it. Also the node building the evaluator shares (sema_add_op, sema_reshape, a scalar
 // operand as a CONST) and the matching of a call's arguments to a builtin's parameters.
 #include "sema_impl.h"
 
@@ -8,20 +8,20 @@
 #include <string.h>
 
 // Appends an op; ir.c's shape and dtype errors are reported at the op the user wrote.
-Val add_op(Sema *s, Op op, const int *in, int nin, const int64_t ia[IR_NIA], const double fa[IR_NFA],
-           SrcLoc at) {
+Val sema_add_op(Sema *s, Op op, const int *in, int nin, const int64_t ia[IR_NIA], const double fa[IR_NFA],
+                SrcLoc at) {
   int id = ir_add(s->g, op, in, nin, ia, fa, at);
   if (id < 0) {
-    error_at(s, at, "%s", s->g->err);
+    sema_error(s, at, "%s", s->g->err);
     return ERR;
   }
   return tensor_val(id);
 }
 
-Val reshape(Sema *s, int x, Shape sh, SrcLoc at) {
+Val sema_reshape(Sema *s, int x, Shape sh, SrcLoc at) {
   int id = ir_reshape(s->g, x, sh, at);
   if (id < 0) {
-    error_at(s, at, "%s", s->g->err);
+    sema_error(s, at, "%s", s->g->err);
     return ERR;
   }
   return tensor_val(id);
@@ -33,7 +33,7 @@ static int as_node(Sema *s, Val v, SrcLoc at) {
     return v.node;
   int id = ir_const(s->g, v.kind == V_INT ? (double)v.i : v.f, at);
   if (id < 0)
-    error_at(s, at, "%s", s->g->err);
+    sema_error(s, at, "%s", s->g->err);
   return id;
 }
 
@@ -41,7 +41,7 @@ static int as_node(Sema *s, Val v, SrcLoc at) {
 // place, vat[k] each operand's): numbers become CONSTs, of i32 where a tensor operand is i32
 // (integer arithmetic), else of f32. i32 and f32 tensors together, or a float number beside an i32
 // tensor, is an error naming both.
-bool operand_nodes(Sema *s, const char *what, SrcLoc at, const Val *v, const SrcLoc *vat, int n, int *out) {
+bool sema_operand_nodes(Sema *s, const char *what, SrcLoc at, const Val *v, const SrcLoc *vat, int n, int *out) {
   const IrNode *i32 = NULL, *other = NULL;
   for (int k = 0; k < n; k++)
     if (v[k].kind == V_TENSOR) {
@@ -51,7 +51,8 @@ bool operand_nodes(Sema *s, const char *what, SrcLoc at, const Val *v, const Src
         other = node(s, v[k].node);
     }
   if (i32 && other) {
-    error_at(s, at, "%s mixes i32 and %s tensors; convert one with float(x) or int(x)", what, dtype_name(other->dtype));
+    sema_error(s, at, "%s mixes i32 and %s tensors; convert one with float(x) or int(x)", what,
+               dtype_name(other->dtype));
     return false;
   }
   for (int k = 0; k < n; k++) {
@@ -61,14 +62,14 @@ bool operand_nodes(Sema *s, const char *what, SrcLoc at, const Val *v, const Src
       if ((out[k] = as_node(s, v[k], vat[k])) < 0)
         return false;
     } else if (v[k].kind == V_FLOAT) {
-      error_at(s, vat[k], "%s mixes an i32 tensor and the float number %g; convert the tensor with float(x)", what,
-               v[k].f);
+      sema_error(s, vat[k], "%s mixes an i32 tensor and the float number %g; convert the tensor with float(x)", what,
+                 v[k].f);
       return false;
     } else if (v[k].i < INT32_MIN || v[k].i > INT32_MAX) {
-      error_at(s, vat[k], "%s: %lld does not fit in i32, the tensor's dtype", what, (long long)v[k].i);
+      sema_error(s, vat[k], "%s: %lld does not fit in i32, the tensor's dtype", what, (long long)v[k].i);
       return false;
     } else if ((out[k] = ir_const_i32(s->g, (int32_t)v[k].i, vat[k])) < 0) {
-      error_at(s, vat[k], "%s", s->g->err);
+      sema_error(s, vat[k], "%s", s->g->err);
       return false;
     }
   }
@@ -88,7 +89,7 @@ static int nparams(const Builtin *b) {
 
 // Matches a call's arguments to b's parameters: arg[k] is the expression given for params[k],
 // or NULL. Reports wrong counts, unknown and repeated keywords.
-bool bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
+bool sema_bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   int np = nparams(b), npos = 0, got = 0;
   bool ok = true, keywords = false;
   for (int k = 0; k < BUILTIN_PARAMS; k++)
@@ -96,7 +97,7 @@ bool bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
   for (int i = 0; i < call->nargs; i++) {
     if (!call->kw[i]) {
       if (keywords) {
-        error_at(s, call->args[i]->at, "%s: positional argument after keyword arguments", b->name);
+        sema_error(s, call->args[i]->at, "%s: positional argument after keyword arguments", b->name);
         ok = false;
       } else if (npos < b->max) {
         arg[npos] = call->args[i];
@@ -112,11 +113,11 @@ bool bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
       char known[160] = "";
       for (int j = 0; j < np; j++)
         snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", j ? ", " : "", b->params[j]);
-      error_at(s, call->kw_at[i], "%s: unknown keyword argument '%s' (%s takes %s)", b->name, call->kw[i], b->name,
-               np ? known : "none");
+      sema_error(s, call->kw_at[i], "%s: unknown keyword argument '%s' (%s takes %s)", b->name, call->kw[i], b->name,
+                 np ? known : "none");
       ok = false;
     } else if (arg[k]) {
-      error_at(s, call->kw_at[i], "%s: argument '%s' given twice", b->name, call->kw[i]);
+      sema_error(s, call->kw_at[i], "%s: argument '%s' given twice", b->name, call->kw[i]);
       ok = false;
     } else {
       arg[k] = call->args[i];
@@ -134,9 +135,9 @@ bool bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg) {
     if (npos > b->max && b->max < np)
       snprintf(hint, sizeof hint, " (%s is a keyword argument: %s=...)", b->params[b->max], b->params[b->max]);
     if (b->min == b->max)
-      error_at(s, call->at, "%s takes %d argument%s, got %d%s", b->name, b->min, b->min == 1 ? "" : "s", got, hint);
+      sema_error(s, call->at, "%s takes %d argument%s, got %d%s", b->name, b->min, b->min == 1 ? "" : "s", got, hint);
     else
-      error_at(s, call->at, "%s takes %d to %d arguments, got %d%s", b->name, b->min, b->max, got, hint);
+      sema_error(s, call->at, "%s takes %d to %d arguments, got %d%s", b->name, b->min, b->max, got, hint);
     ok = false;
   }
   return ok;
@@ -154,7 +155,7 @@ static bool axis_arg(Sema *s, const Builtin *b, const Expr *e, const Arg *v, int
   int64_t a = int_or(v, dflt);
   int64_t k = a < 0 ? a + rank : a;
   if (k < 0 || k >= rank) {
-    error_at(s, e ? e->at : at, "%s: axis %lld is out of range for a tensor of rank %d", b->name, (long long)a, rank);
+    sema_error(s, e ? e->at : at, "%s: axis %lld is out of range for a tensor of rank %d", b->name, (long long)a, rank);
     return false;
   }
   *out = k;
@@ -164,7 +165,7 @@ static bool axis_arg(Sema *s, const Builtin *b, const Expr *e, const Arg *v, int
 static bool need_i32(Sema *s, const Builtin *b, int x, const char *what, SrcLoc at) {
   if (node(s, x)->dtype == DT_I32)
     return true;
-  error_at(s, at, "%s: %s must be i32, got %s", b->name, what, dtype_name(node(s, x)->dtype));
+  sema_error(s, at, "%s: %s must be i32, got %s", b->name, what, dtype_name(node(s, x)->dtype));
   return false;
 }
 
@@ -173,13 +174,13 @@ static Val builtin_unary(Sema *s, const Builtin *b, const Expr *call, const Expr
   (void)arg;
   Val v = val[0].v;
   if (v.kind == V_TENSOR)
-    return add_op(s, b->op, &v.node, 1, NULL, NULL, call->at);
+    return sema_add_op(s, b->op, &v.node, 1, NULL, NULL, call->at);
   if (v.kind == V_INT && (b->op == OP_ABS || b->op == OP_NEG) && v.i != INT64_MIN) // an integer stays one
     return int_val(b->op == OP_NEG || v.i < 0 ? -v.i : v.i);
   double x = v.kind == V_INT ? (double)v.i : v.f;
   if (((b->op == OP_SQRT || b->op == OP_RSQRT) && x < 0) || (b->op == OP_LOG && x <= 0) ||
       (b->op == OP_RSQRT && x == 0)) {
-    error_at(s, call->at, "%s(%g) is not a real number", b->name, x);
+    sema_error(s, call->at, "%s(%g) is not a real number", b->name, x);
     return ERR;
   }
   return float_val(interp_unary(b->op, x));
@@ -198,7 +199,7 @@ static Val builtin_cast(Sema *s, const Builtin *b, const Expr *call, const Expr 
     if (!to_int)
       return v;
     if (!(fabs(v.f) < 9.2e18)) {
-      error_at(s, call->at, "int(%g) is not a 64-bit integer", v.f);
+      sema_error(s, call->at, "int(%g) is not a 64-bit integer", v.f);
       return ERR;
     }
     return int_val((int64_t)v.f);
@@ -206,7 +207,7 @@ static Val builtin_cast(Sema *s, const Builtin *b, const Expr *call, const Expr 
     DType from = node(s, v.node)->dtype, to = to_int ? DT_I32 : DT_F32;
     if (from == to)
       return v;
-    return add_op(s, OP_CAST, &v.node, 1, (int64_t[8]){to}, NULL, call->at);
+    return sema_add_op(s, OP_CAST, &v.node, 1, (int64_t[8]){to}, NULL, call->at);
   }
   }
 }
@@ -218,14 +219,14 @@ static Val builtin_where(Sema *s, const Builtin *b, const Expr *call, const Expr
   for (int i = 0; i < 3; i++)
     v[i] = val[i].v;
   if (v[0].kind != V_TENSOR) {
-    error_at(s, arg[0]->at, "where: cond must be a tensor (a comparison such as x > 0); a constant condition picks "
-             "a or b by itself");
+    sema_error(s, arg[0]->at, "where: cond must be a tensor (a comparison such as x > 0); a constant condition picks "
+               "a or b by itself");
     return ERR;
   }
   int in[3] = {v[0].node};
-  if (!operand_nodes(s, "where", call->at, v + 1, (SrcLoc[]){arg[1]->at, arg[2]->at}, 2, in + 1))
+  if (!sema_operand_nodes(s, "where", call->at, v + 1, (SrcLoc[]){arg[1]->at, arg[2]->at}, 2, in + 1))
     return ERR;
-  return add_op(s, OP_WHERE, in, 3, NULL, NULL, call->at);
+  return sema_add_op(s, OP_WHERE, in, 3, NULL, NULL, call->at);
 }
 
 // clamp(x, min=, max=): x within [min, max], a bound left out being none (at least one given).
@@ -234,14 +235,14 @@ static Val builtin_clamp(Sema *s, const Builtin *b, const Expr *call, const Expr
   int x = val[0].v.node;
   double lo = float_or(&val[1], -INFINITY), hi = float_or(&val[2], INFINITY);
   if (!arg[1] && !arg[2]) {
-    error_at(s, call->at, "clamp: give min=, max= or both");
+    sema_error(s, call->at, "clamp: give min=, max= or both");
     return ERR;
   }
   if (!(lo <= hi)) {
-    error_at(s, call->at, "clamp: min %g is above max %g", lo, hi);
+    sema_error(s, call->at, "clamp: min %g is above max %g", lo, hi);
     return ERR;
   }
-  return add_op(s, OP_CLAMP, &x, 1, NULL, (double[6]){lo, hi}, call->at);
+  return sema_add_op(s, OP_CLAMP, &x, 1, NULL, (double[6]){lo, hi}, call->at);
 }
 
 // sum / mean / max over one axis, or over everything: reshape to [numel], reduce axis 0 -> [].
@@ -257,31 +258,31 @@ static Val reduce_tensor(Sema *s, const Builtin *b, Op op, const Expr *call, int
     int64_t axis;
     if (!axis_arg(s, b, axis_e, axis_v, 0, sh.rank, call->at, &axis))
       return ERR;
-    return add_op(s, op, &x, 1, (int64_t[8]){axis, keep}, NULL, call->at);
+    return sema_add_op(s, op, &x, 1, (int64_t[8]){axis, keep}, NULL, call->at);
   }
   int targets = node(s, x)->op == OP_CROSS_ENTROPY && op == OP_MEAN ? node(s, x)->in[1] : -1;
   if (sh.rank != 1) {
-    Val flat = reshape(s, x, (Shape){.rank = 1, .d = {shape_numel(sh)}}, call->at);
+    Val flat = sema_reshape(s, x, (Shape){.rank = 1, .d = {shape_numel(sh)}}, call->at);
     if (flat.kind == V_ERR)
       return ERR;
     x = flat.node;
   }
   Val r;
   if (targets >= 0) {
-    Val sum = add_op(s, OP_SUM, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
-    Val count = add_op(s, OP_TARGET_COUNT, &targets, 1, NULL, NULL, call->at);
+    Val sum = sema_add_op(s, OP_SUM, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
+    Val count = sema_add_op(s, OP_TARGET_COUNT, &targets, 1, NULL, NULL, call->at);
     if (sum.kind == V_ERR || count.kind == V_ERR)
       return ERR;
-    r = add_op(s, OP_DIV, (int[]){sum.node, count.node}, 2, NULL, NULL, call->at);
+    r = sema_add_op(s, OP_DIV, (int[]){sum.node, count.node}, 2, NULL, NULL, call->at);
   } else {
-    r = add_op(s, op, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
+    r = sema_add_op(s, op, &x, 1, (int64_t[8]){0, 0}, NULL, call->at);
   }
   if (r.kind == V_ERR || !keep || sh.rank == 0)
     return r;
   Shape ones = {.rank = sh.rank};
   for (int i = 0; i < sh.rank; i++)
     ones.d[i] = 1;
-  return reshape(s, r.node, ones, call->at);
+  return sema_reshape(s, r.node, ones, call->at);
 }
 
 static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
@@ -293,8 +294,8 @@ static Val builtin_reduce(Sema *s, const Builtin *b, const Expr *call, const Exp
 // The min reduction is -max(-x): the same values, and the same gradient rule at ties.
 static bool minmax_form(Sema *s, const Builtin *b, const Expr **arg) {
   if (arg[1] && (arg[2] || arg[3])) {
-    error_at(s, arg[2] ? arg[2]->at : arg[3]->at, "%s(a, b) is elementwise and takes no axis= or keepdim=; the "
-             "reduction is %s(x, axis=...)", b->name, b->name);
+    sema_error(s, arg[2] ? arg[2]->at : arg[3]->at, "%s(a, b) is elementwise and takes no axis= or keepdim=; the "
+               "reduction is %s(x, axis=...)", b->name, b->name);
     return false;
   }
   return true;
@@ -304,24 +305,25 @@ static Val builtin_minmax(Sema *s, const Builtin *b, const Expr *call, const Exp
   bool is_max = b->op == OP_MAXIMUM;
   if (!arg[1]) {
     if (val[0].v.kind != V_TENSOR) {
-      error_at(s, arg[0]->at, "%s: x must be a tensor, got %s", b->name, describe(val[0].v));
+      sema_error(s, arg[0]->at, "%s: x must be a tensor, got %s", b->name, sema_describe(val[0].v));
       return ERR;
     }
     int x = val[0].v.node;
     if (!is_max) {
-      Val neg = add_op(s, OP_NEG, &x, 1, NULL, NULL, call->at);
+      Val neg = sema_add_op(s, OP_NEG, &x, 1, NULL, NULL, call->at);
       if (neg.kind == V_ERR)
         return ERR;
       x = neg.node;
     }
     Val r = reduce_tensor(s, b, OP_MAX, call, x, arg[2], &val[2], &val[3]);
-    return is_max || r.kind == V_ERR ? r : add_op(s, OP_NEG, &r.node, 1, NULL, NULL, call->at);
+    return is_max || r.kind == V_ERR ? r : sema_add_op(s, OP_NEG, &r.node, 1, NULL, NULL, call->at);
   }
   Val v[2];
   for (int i = 0; i < 2; i++) {
     v[i] = val[i].v;
     if (v[i].kind != V_TENSOR && v[i].kind != V_INT && v[i].kind != V_FLOAT) {
-      error_at(s, arg[i]->at, "%s: %s must be a tensor or a number, got %s", b->name, b->params[i], describe(v[i]));
+      sema_error(s, arg[i]->at, "%s: %s must be a tensor or a number, got %s", b->name, b->params[i],
+                 sema_describe(v[i]));
       return ERR;
     }
   }
@@ -332,9 +334,9 @@ static Val builtin_minmax(Sema *s, const Builtin *b, const Expr *call, const Exp
     return float_val(is_max ? fmax(x, y) : fmin(x, y));
   }
   int in[2];
-  if (!operand_nodes(s, b->name, call->at, v, (SrcLoc[]){arg[0]->at, arg[1]->at}, 2, in))
+  if (!sema_operand_nodes(s, b->name, call->at, v, (SrcLoc[]){arg[0]->at, arg[1]->at}, 2, in))
     return ERR;
-  return add_op(s, b->op, in, 2, NULL, NULL, call->at);
+  return sema_add_op(s, b->op, in, 2, NULL, NULL, call->at);
 }
 
 static Val builtin_reshape(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
@@ -350,13 +352,13 @@ static Val builtin_reshape(Sema *s, const Builtin *b, const Expr *call, const Ex
       continue;
     }
     if (d[i] <= 0) {
-      error_at(s, arg[1]->args[i]->at, d[i] == -1 ? "reshape: only one size may be -1"
+      sema_error(s, arg[1]->args[i]->at, d[i] == -1 ? "reshape: only one size may be -1"
                                                   : "reshape: sizes must be positive (or one -1), got %lld",
                (long long)d[i]);
       return ERR;
     }
     if (__builtin_mul_overflow(known, d[i], &known)) {
-      error_at(s, arg[1]->at, "integer overflow in dimension arithmetic");
+      sema_error(s, arg[1]->at, "integer overflow in dimension arithmetic");
       return ERR;
     }
     sh.d[i] = d[i];
@@ -364,13 +366,13 @@ static Val builtin_reshape(Sema *s, const Builtin *b, const Expr *call, const Ex
   int64_t numel = shape_numel(node(s, x)->shape);
   if (infer >= 0) {
     if (numel % known) {
-      error_at(s, call->at, "reshape: cannot reshape %s (%lld elements) to %s", shape_text(s, node(s, x)->shape),
-               (long long)numel, shape_text(s, shape_of(n, d)));
+      sema_error(s, call->at, "reshape: cannot reshape %s (%lld elements) to %s", sema_shape_text(s, node(s, x)->shape),
+                 (long long)numel, sema_shape_text(s, shape_of(n, d)));
       return ERR;
     }
     sh.d[infer] = numel / known;
   }
-  return reshape(s, x, sh, call->at);
+  return sema_reshape(s, x, sh, call->at);
 }
 
 static Val builtin_permute(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
@@ -380,13 +382,13 @@ static Val builtin_permute(Sema *s, const Builtin *b, const Expr *call, const Ex
   memcpy(perm, val[1].ints, sizeof(int64_t) * (size_t)n);
   int r = node(s, x)->shape.rank;
   if (n != r) {
-    error_at(s, arg[1]->at, "permute: %d axes given for a tensor of rank %d", n, r);
+    sema_error(s, arg[1]->at, "permute: %d axes given for a tensor of rank %d", n, r);
     return ERR;
   }
   for (int i = 0; i < n; i++)
     if (perm[i] < 0)
       perm[i] += r;
-  return add_op(s, OP_PERMUTE, &x, 1, perm, NULL, call->at);
+  return sema_add_op(s, OP_PERMUTE, &x, 1, perm, NULL, call->at);
 }
 
 static Val builtin_transpose(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
@@ -401,7 +403,7 @@ static Val builtin_transpose(Sema *s, const Builtin *b, const Expr *call, const 
     perm[k] = k;
   perm[i] = j;
   perm[j] = i;
-  return add_op(s, OP_PERMUTE, &x, 1, perm, NULL, call->at);
+  return sema_add_op(s, OP_PERMUTE, &x, 1, perm, NULL, call->at);
 }
 
 // split(x, n, axis=-1): n equal SLICEs, returned together for `a, b, c = split(...)`.
@@ -412,18 +414,18 @@ static Val builtin_split(Sema *s, const Builtin *b, const Expr *call, const Expr
   if (!axis_arg(s, b, arg[2], &val[2], -1, sh.rank, call->at, &axis))
     return ERR;
   if (n <= 0 || n > 64) {
-    error_at(s, arg[1]->at, "split: n must be between 1 and 64, got %lld", (long long)n);
+    sema_error(s, arg[1]->at, "split: n must be between 1 and 64, got %lld", (long long)n);
     return ERR;
   }
   if (sh.d[axis] % n) {
-    error_at(s, call->at, "split: size %lld of axis %lld is not divisible by %lld", (long long)sh.d[axis],
-             (long long)axis, (long long)n);
+    sema_error(s, call->at, "split: size %lld of axis %lld is not divisible by %lld", (long long)sh.d[axis],
+               (long long)axis, (long long)n);
     return ERR;
   }
   int64_t len = sh.d[axis] / n;
   Val t = {.kind = V_TUPLE, .ntuple = (int)n, .tuple = arena_alloc(s->a, sizeof(int) * (size_t)n)};
   for (int64_t i = 0; i < n; i++) {
-    Val part = add_op(s, OP_SLICE, &x, 1, (int64_t[8]){axis, i * len, (i + 1) * len}, NULL, call->at);
+    Val part = sema_add_op(s, OP_SLICE, &x, 1, (int64_t[8]){axis, i * len, (i + 1) * len}, NULL, call->at);
     if (part.kind == V_ERR)
       return ERR;
     t.tuple[i] = part.node;
@@ -436,7 +438,7 @@ static Val builtin_concat(Sema *s, const Builtin *b, const Expr *call, const Exp
   int64_t axis;
   if (!axis_arg(s, b, arg[1], &val[1], -1, node(s, in[0])->shape.rank, call->at, &axis))
     return ERR;
-  return add_op(s, OP_CONCAT, in, val[0].n, (int64_t[8]){axis}, NULL, call->at);
+  return sema_add_op(s, OP_CONCAT, in, val[0].n, (int64_t[8]){axis}, NULL, call->at);
 }
 
 // topk(x, k, axis=-1): (values, indices i32), the k largest along the axis, largest first, ties by
@@ -448,14 +450,14 @@ static Val builtin_topk(Sema *s, const Builtin *b, const Expr *call, const Expr 
   if (!axis_arg(s, b, arg[2], &val[2], -1, sh.rank, call->at, &axis))
     return ERR;
   if (k < 1 || k > sh.d[axis]) {
-    error_at(s, arg[1]->at, "topk: k must be between 1 and %lld (the size of axis %lld), got %lld",
-             (long long)sh.d[axis], (long long)axis, (long long)k);
+    sema_error(s, arg[1]->at, "topk: k must be between 1 and %lld (the size of axis %lld), got %lld",
+               (long long)sh.d[axis], (long long)axis, (long long)k);
     return ERR;
   }
-  Val idx = add_op(s, OP_TOPK, &x, 1, (int64_t[8]){axis, k}, NULL, call->at);
+  Val idx = sema_add_op(s, OP_TOPK, &x, 1, (int64_t[8]){axis, k}, NULL, call->at);
   if (idx.kind == V_ERR)
     return ERR;
-  Val vals = add_op(s, OP_GATHER, (int[]){x, idx.node}, 2, (int64_t[8]){axis}, NULL, call->at);
+  Val vals = sema_add_op(s, OP_GATHER, (int[]){x, idx.node}, 2, (int64_t[8]){axis}, NULL, call->at);
   if (vals.kind == V_ERR)
     return ERR;
   Val t = {.kind = V_TUPLE, .ntuple = 2, .tuple = arena_alloc(s->a, sizeof(int) * 2), .topk = true};
@@ -474,21 +476,21 @@ static Val builtin_gather(Sema *s, const Builtin *b, const Expr *call, const Exp
     return ERR;
   int bad = node(s, x)->dtype != DT_F32 ? 0 : scatter && node(s, src)->dtype != DT_F32 ? 2 : -1;
   if (bad >= 0) {
-    error_at(s, arg[bad]->at, "%s: %s must be f32, got i32", b->name, b->params[bad]);
+    sema_error(s, arg[bad]->at, "%s: %s must be f32, got i32", b->name, b->params[bad]);
     return ERR;
   }
   if (!axis_arg(s, b, arg[scatter ? 3 : 2], &val[scatter ? 3 : 2], -1, node(s, x)->shape.rank, call->at, &axis))
     return ERR;
   if (scatter)
-    return add_op(s, OP_SCATTER_ADD, (int[]){x, idx, src}, 3, (int64_t[8]){axis}, NULL, call->at);
-  return add_op(s, OP_GATHER, (int[]){x, idx}, 2, (int64_t[8]){axis}, NULL, call->at);
+    return sema_add_op(s, OP_SCATTER_ADD, (int[]){x, idx, src}, 3, (int64_t[8]){axis}, NULL, call->at);
+  return sema_add_op(s, OP_GATHER, (int[]){x, idx}, 2, (int64_t[8]){axis}, NULL, call->at);
 }
 
 static Val builtin_embed(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
   int t = val[0].v.node, ids = val[1].v.node;
   if (!need_i32(s, b, ids, "ids", arg[1]->at))
     return ERR;
-  return add_op(s, OP_EMBED, (int[]){t, ids}, 2, NULL, NULL, call->at);
+  return sema_add_op(s, OP_EMBED, (int[]){t, ids}, 2, NULL, NULL, call->at);
 }
 
 // layernorm(x, w, b, eps=1e-5) and rmsnorm(x, w, eps=1e-5). A layernorm without b gets a zero bias.
@@ -497,7 +499,7 @@ static Val builtin_norm(Sema *s, const Builtin *b, const Expr *call, const Expr 
   int x = val[0].v.node, w = val[1].v.node;
   double eps = float_or(&val[eps_at], 1e-5);
   if (!(eps >= 0 && isfinite(eps))) {
-    error_at(s, arg[eps_at]->at, "%s: eps must be finite and not negative, got %g", b->name, eps);
+    sema_error(s, arg[eps_at]->at, "%s: eps must be finite and not negative, got %g", b->name, eps);
     return ERR;
   }
   int in[3] = {x, w, -1};
@@ -507,11 +509,11 @@ static Val builtin_norm(Sema *s, const Builtin *b, const Expr *call, const Expr 
     int zero = ir_const(s->g, 0, call->at);
     in[2] = zero < 0 ? -1 : ir_broadcast(s->g, zero, node(s, w)->shape, call->at);
     if (in[2] < 0)
-      error_at(s, call->at, "%s", s->g->err);
+      sema_error(s, call->at, "%s", s->g->err);
   }
   if (layer && in[2] < 0)
     return ERR;
-  return add_op(s, b->op, in, layer ? 3 : 2, NULL, (double[6]){eps}, call->at);
+  return sema_add_op(s, b->op, in, layer ? 3 : 2, NULL, (double[6]){eps}, call->at);
 }
 
 // x with axes `axis` and the last swapped (a PERMUTE; x itself when they are the same axis).
@@ -524,7 +526,7 @@ static int swap_last(Sema *s, int x, int64_t axis, SrcLoc at) {
     perm[i] = i;
   perm[axis] = r - 1;
   perm[r - 1] = axis;
-  Val v = add_op(s, OP_PERMUTE, &x, 1, perm, NULL, at);
+  Val v = sema_add_op(s, OP_PERMUTE, &x, 1, perm, NULL, at);
   return v.kind == V_ERR ? -1 : v.node;
 }
 
@@ -536,7 +538,7 @@ static Val builtin_softmax(Sema *s, const Builtin *b, const Expr *call, const Ex
   if (r > 0 && !axis_arg(s, b, arg[1], &val[1], -1, r, call->at, &axis))
     return ERR;
   int t = swap_last(s, x, axis, call->at);
-  Val y = t < 0 ? ERR : add_op(s, OP_SOFTMAX, &t, 1, NULL, NULL, call->at);
+  Val y = t < 0 ? ERR : sema_add_op(s, OP_SOFTMAX, &t, 1, NULL, NULL, call->at);
   if (y.kind == V_ERR || t == x)
     return y;
   int back = swap_last(s, y.node, axis, call->at);
@@ -551,19 +553,19 @@ static Val builtin_log_softmax(Sema *s, const Builtin *b, const Expr *call, cons
   int r = node(s, x)->shape.rank;
   int64_t axis = 0;
   if (r == 0) {
-    error_at(s, call->at, "log_softmax of a scalar");
+    sema_error(s, call->at, "log_softmax of a scalar");
     return ERR;
   }
   if (!axis_arg(s, b, arg[1], &val[1], -1, r, call->at, &axis))
     return ERR;
   SrcLoc at = call->at;
-  Val m = add_op(s, OP_MAX, &x, 1, (int64_t[8]){axis, 1}, NULL, at);
-  Val mc = m.kind == V_ERR ? ERR : add_op(s, OP_STOP_GRADIENT, &m.node, 1, NULL, NULL, at);
-  Val y = mc.kind == V_ERR ? ERR : add_op(s, OP_SUB, (int[]){x, mc.node}, 2, NULL, NULL, at);
-  Val e = y.kind == V_ERR ? ERR : add_op(s, OP_EXP, &y.node, 1, NULL, NULL, at);
-  Val sum = e.kind == V_ERR ? ERR : add_op(s, OP_SUM, &e.node, 1, (int64_t[8]){axis, 1}, NULL, at);
-  Val l = sum.kind == V_ERR ? ERR : add_op(s, OP_LOG, &sum.node, 1, NULL, NULL, at);
-  return l.kind == V_ERR ? ERR : add_op(s, OP_SUB, (int[]){y.node, l.node}, 2, NULL, NULL, at);
+  Val m = sema_add_op(s, OP_MAX, &x, 1, (int64_t[8]){axis, 1}, NULL, at);
+  Val mc = m.kind == V_ERR ? ERR : sema_add_op(s, OP_STOP_GRADIENT, &m.node, 1, NULL, NULL, at);
+  Val y = mc.kind == V_ERR ? ERR : sema_add_op(s, OP_SUB, (int[]){x, mc.node}, 2, NULL, NULL, at);
+  Val e = y.kind == V_ERR ? ERR : sema_add_op(s, OP_EXP, &y.node, 1, NULL, NULL, at);
+  Val sum = e.kind == V_ERR ? ERR : sema_add_op(s, OP_SUM, &e.node, 1, (int64_t[8]){axis, 1}, NULL, at);
+  Val l = sum.kind == V_ERR ? ERR : sema_add_op(s, OP_LOG, &sum.node, 1, NULL, NULL, at);
+  return l.kind == V_ERR ? ERR : sema_add_op(s, OP_SUB, (int[]){y.node, l.node}, 2, NULL, NULL, at);
 }
 
 // An ATTENTION_MASK node and what it was built for.
@@ -588,7 +590,7 @@ static int attention_mask(Sema *s, int doc, int64_t t, bool causal, int64_t wind
   int id = ir_attention_mask(s->g, doc, t, causal, window, at);
   s->g->cur_body = body;
   if (id < 0) {
-    error_at(s, at, "%s", s->g->err);
+    sema_error(s, at, "%s", s->g->err);
     return -1;
   }
   Mask *m = arena_alloc(s->a, sizeof *m);
@@ -612,7 +614,7 @@ typedef struct {
 static Val plain_attention(Sema *s, const int *in, AttnArgs a, SrcLoc at) {
   Graph *g = s->g;
   if (!ir_attention_fits(g, in[0], in[1], in[2], in[3], a.heads, a.kv_heads, a.causal, a.window)) {
-    error_at(s, at, "%s", g->err);
+    sema_error(s, at, "%s", g->err);
     return ERR;
   }
   Shape x = node(s, in[0])->shape;
@@ -622,38 +624,38 @@ static Val plain_attention(Sema *s, const int *in, AttnArgs a, SrcLoc at) {
   int h[3];
   for (int i = 0; i < 3; i++) {
     int64_t rows = i ? ns : nt, nh = i ? a.kv_heads : a.heads;
-    Val r = reshape(s, in[i], shape_of(4, (int64_t[]){nb, rows, nh, d}), at);
+    Val r = sema_reshape(s, in[i], shape_of(4, (int64_t[]){nb, rows, nh, d}), at);
     if (r.kind == V_ERR)
       return ERR;
-    Val p = add_op(s, OP_PERMUTE, &r.node, 1, to_heads, NULL, at);
+    Val p = sema_add_op(s, OP_PERMUTE, &r.node, 1, to_heads, NULL, at);
     if (p.kind == V_ERR)
       return ERR;
     if (i && grp > 1) { // each kv head repeated for the query heads of its group
-      p = reshape(s, p.node, shape_of(5, (int64_t[]){nb, a.kv_heads, 1, ns, d}), at);
+      p = sema_reshape(s, p.node, shape_of(5, (int64_t[]){nb, a.kv_heads, 1, ns, d}), at);
       int bc = p.kind == V_ERR ? -1 : ir_broadcast(g, p.node, shape_of(5, (int64_t[]){nb, a.kv_heads, grp, ns, d}), at);
       if (bc < 0) {
-        error_at(s, at, "%s", g->err);
+        sema_error(s, at, "%s", g->err);
         return ERR;
       }
-      p = reshape(s, bc, shape_of(4, (int64_t[]){nb, a.heads, ns, d}), at);
+      p = sema_reshape(s, bc, shape_of(4, (int64_t[]){nb, a.heads, ns, d}), at);
       if (p.kind == V_ERR)
         return ERR;
     }
     h[i] = p.node;
   }
-  Val sc = add_op(s, OP_MATMUL, (int[]){h[0], h[1]}, 2, (int64_t[8]){0, 1}, NULL, at);
+  Val sc = sema_add_op(s, OP_MATMUL, (int[]){h[0], h[1]}, 2, (int64_t[8]){0, 1}, NULL, at);
   int c = sc.kind == V_ERR ? -1 : ir_const(g, a.scale, at);
   if (c < 0)
     return ERR;
-  sc = add_op(s, OP_MUL, (int[]){sc.node, c}, 2, NULL, NULL, at);
+  sc = sema_add_op(s, OP_MUL, (int[]){sc.node, c}, 2, NULL, NULL, at);
   if (sc.kind != V_ERR && (a.causal || in[3] >= 0)) {
     int m = attention_mask(s, in[3], nt, a.causal, a.window, at);
-    sc = m < 0 ? ERR : add_op(s, OP_ADD, (int[]){sc.node, m}, 2, NULL, NULL, at);
+    sc = m < 0 ? ERR : sema_add_op(s, OP_ADD, (int[]){sc.node, m}, 2, NULL, NULL, at);
   }
-  Val p = sc.kind == V_ERR ? ERR : add_op(s, OP_SOFTMAX, &sc.node, 1, NULL, NULL, at);
-  Val o = p.kind == V_ERR ? ERR : add_op(s, OP_MATMUL, (int[]){p.node, h[2]}, 2, NULL, NULL, at);
-  o = o.kind == V_ERR ? ERR : add_op(s, OP_PERMUTE, &o.node, 1, to_heads, NULL, at);
-  return o.kind == V_ERR ? ERR : reshape(s, o.node, x, at);
+  Val p = sc.kind == V_ERR ? ERR : sema_add_op(s, OP_SOFTMAX, &sc.node, 1, NULL, NULL, at);
+  Val o = p.kind == V_ERR ? ERR : sema_add_op(s, OP_MATMUL, (int[]){p.node, h[2]}, 2, NULL, NULL, at);
+  o = o.kind == V_ERR ? ERR : sema_add_op(s, OP_PERMUTE, &o.node, 1, to_heads, NULL, at);
+  return o.kind == V_ERR ? ERR : sema_reshape(s, o.node, x, at);
 }
 
 static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
@@ -664,15 +666,15 @@ static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const 
   if (arg[5] && !need_i32(s, b, in[3], "doc", arg[5]->at))
     return ERR;
   if (arg[7] && a.kv_heads <= 0) {
-    error_at(s, arg[7]->at, "attention: kv_heads must be at least 1, got %lld", (long long)a.kv_heads);
+    sema_error(s, arg[7]->at, "attention: kv_heads must be at least 1, got %lld", (long long)a.kv_heads);
     return ERR;
   }
   if (arg[8] && a.window <= 0) {
-    error_at(s, arg[8]->at, "attention: window must be at least 1, got %lld", (long long)a.window);
+    sema_error(s, arg[8]->at, "attention: window must be at least 1, got %lld", (long long)a.window);
     return ERR;
   }
   if (arg[8] && !a.causal) {
-    error_at(s, arg[8]->at, "attention: window=%lld needs causal=true", (long long)a.window);
+    sema_error(s, arg[8]->at, "attention: window=%lld needs causal=true", (long long)a.window);
     return ERR;
   }
   Shape q = node(s, in[0])->shape;
@@ -682,7 +684,7 @@ static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const 
   // (the window stays as written even where it holds all T rows: a graph of one token decodes with a
   // cache of earlier positions, interp.c)
   if (!ir_attention_fits(s->g, in[0], in[1], in[2], arg[5] ? in[3] : -1, a.heads, a.kv_heads, a.causal, a.window)) {
-    error_at(s, call->at, "%s", s->g->err);
+    sema_error(s, call->at, "%s", s->g->err);
     return ERR;
   }
   if (s->lower.plain_attention) {
@@ -690,8 +692,8 @@ static Val builtin_attention(Sema *s, const Builtin *b, const Expr *call, const 
     return plain_attention(s, in, a, call->at);
   }
   int64_t kvh = a.kv_heads == a.heads ? 0 : a.kv_heads; // (0: one kv head per head, mdl.h)
-  return add_op(s, OP_ATTENTION, in, doc ? 4 : 3, (int64_t[8]){a.heads, a.causal, doc, 0, 0, kvh, a.window},
-                (double[6]){a.scale}, call->at);
+  return sema_add_op(s, OP_ATTENTION, in, doc ? 4 : 3, (int64_t[8]){a.heads, a.causal, doc, 0, 0, kvh, a.window},
+                     (double[6]){a.scale}, call->at);
 }
 
 static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
@@ -701,17 +703,17 @@ static Val builtin_rope(Sema *s, const Builtin *b, const Expr *call, const Expr 
   int64_t heads = val[2].v.i;
   double base = float_or(&val[3], 10000);
   if (!(base > 0 && isfinite(base))) {
-    error_at(s, arg[3]->at, "rope: base must be positive and finite, got %g", base);
+    sema_error(s, arg[3]->at, "rope: base must be positive and finite, got %g", base);
     return ERR;
   }
-  return add_op(s, OP_ROPE, (int[]){x, pos}, 2, (int64_t[8]){heads, 0}, (double[6]){base}, call->at);
+  return sema_add_op(s, OP_ROPE, (int[]){x, pos}, 2, (int64_t[8]){heads, 0}, (double[6]){base}, call->at);
 }
 
 static Val builtin_cross_entropy(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, const Arg *val) {
   int l = val[0].v.node, t = val[1].v.node;
   if (!need_i32(s, b, t, "targets", arg[1]->at))
     return ERR;
-  return add_op(s, OP_CROSS_ENTROPY, (int[]){l, t}, 2, NULL, NULL, call->at);
+  return sema_add_op(s, OP_CROSS_ENTROPY, (int[]){l, t}, 2, NULL, NULL, call->at);
 }
 
 // x shifted by s positions along axis 1 of [B, T, C], zeros coming in: element t of the result is
@@ -725,14 +727,14 @@ static int shifted(Sema *s, int x, int64_t by, SrcLoc at) {
   int zero = ir_const(s->g, 0, at);
   int zeros = zero < 0 ? -1 : ir_broadcast(s->g, zero, pad, at);
   if (zeros < 0) {
-    error_at(s, at, "%s", s->g->err);
+    sema_error(s, at, "%s", s->g->err);
     return -1;
   }
-  Val part = add_op(s, OP_SLICE, &x, 1, (int64_t[8]){1, by < 0 ? 0 : n, by < 0 ? t - n : t}, NULL, at);
+  Val part = sema_add_op(s, OP_SLICE, &x, 1, (int64_t[8]){1, by < 0 ? 0 : n, by < 0 ? t - n : t}, NULL, at);
   if (part.kind == V_ERR)
     return -1;
-  Val r = add_op(s, OP_CONCAT, by < 0 ? (int[]){zeros, part.node} : (int[]){part.node, zeros}, 2, (int64_t[8]){1},
-                 NULL, at);
+  Val r = sema_add_op(s, OP_CONCAT, by < 0 ? (int[]){zeros, part.node} : (int[]){part.node, zeros}, 2, (int64_t[8]){1},
+                      NULL, at);
   return r.kind == V_ERR ? -1 : r.node;
 }
 
@@ -751,34 +753,34 @@ static Val builtin_conv1d(Sema *s, const Builtin *b, const Expr *call, const Exp
   bool causal = bool_or(&val[3], false);
   Shape xs = node(s, x)->shape, ws = node(s, w)->shape;
   if (xs.rank != 3) {
-    error_at(s, arg[0]->at, "conv1d: x must be [B, T, C], got %s", shape_text(s, xs));
+    sema_error(s, arg[0]->at, "conv1d: x must be [B, T, C], got %s", sema_shape_text(s, xs));
     return ERR;
   }
   int64_t t = xs.d[1], cin = xs.d[2], k = ws.d[0];
   if (ws.rank != 2 && ws.rank != 3) {
-    error_at(s, arg[1]->at, "conv1d: w must be [K, Cin, Cout] (a full convolution) or [K, C] (depthwise), got %s",
-             shape_text(s, ws));
+    sema_error(s, arg[1]->at, "conv1d: w must be [K, Cin, Cout] (a full convolution) or [K, C] (depthwise), got %s",
+               sema_shape_text(s, ws));
     return ERR;
   }
   if (ws.d[1] != cin) {
-    error_at(s, arg[1]->at, "conv1d: w %s has %lld input channels, x %s has %lld", shape_text(s, ws),
-             (long long)ws.d[1], shape_text(s, xs), (long long)cin);
+    sema_error(s, arg[1]->at, "conv1d: w %s has %lld input channels, x %s has %lld", sema_shape_text(s, ws),
+               (long long)ws.d[1], sema_shape_text(s, xs), (long long)cin);
     return ERR;
   }
   if (k > 64) { // (a full convolution concatenates K parts; the emitters read at most 64 at once)
-    error_at(s, arg[1]->at, "conv1d: %lld taps; at most 64 (this lowering is for short convolutions)", (long long)k);
+    sema_error(s, arg[1]->at, "conv1d: %lld taps; at most 64 (this lowering is for short convolutions)", (long long)k);
     return ERR;
   }
   int64_t cout = ws.rank == 3 ? ws.d[2] : cin;
   if (bias >= 0 && (node(s, bias)->shape.rank != 1 || node(s, bias)->shape.d[0] != cout)) {
-    error_at(s, arg[2]->at, "conv1d: b must be [%lld] (the output channels), got %s", (long long)cout,
-             shape_text(s, node(s, bias)->shape));
+    sema_error(s, arg[2]->at, "conv1d: b must be [%lld] (the output channels), got %s", (long long)cout,
+               sema_shape_text(s, node(s, bias)->shape));
     return ERR;
   }
   for (int i = 0; i < 3; i++) {
     int v = i == 0 ? x : i == 1 ? w : bias;
     if (v >= 0 && node(s, v)->dtype != DT_F32) {
-      error_at(s, arg[i]->at, "conv1d: %s must be f32, got %s", b->params[i], dtype_name(node(s, v)->dtype));
+      sema_error(s, arg[i]->at, "conv1d: %s must be f32, got %s", b->params[i], dtype_name(node(s, v)->dtype));
       return ERR;
     }
   }
@@ -793,11 +795,11 @@ static Val builtin_conv1d(Sema *s, const Builtin *b, const Expr *call, const Exp
       return ERR;
     if (ws.rank == 3 || taps[j] < 0)
       continue;
-    Val row = add_op(s, OP_SLICE, &w, 1, (int64_t[8]){0, j, j + 1}, NULL, call->at);
-    Val term = row.kind == V_ERR ? ERR : add_op(s, OP_MUL, (int[]){taps[j], row.node}, 2, NULL, NULL, call->at);
+    Val row = sema_add_op(s, OP_SLICE, &w, 1, (int64_t[8]){0, j, j + 1}, NULL, call->at);
+    Val term = row.kind == V_ERR ? ERR : sema_add_op(s, OP_MUL, (int[]){taps[j], row.node}, 2, NULL, NULL, call->at);
     if (term.kind == V_ERR)
       return ERR;
-    Val sum = y < 0 ? term : add_op(s, OP_ADD, (int[]){y, term.node}, 2, NULL, NULL, call->at);
+    Val sum = y < 0 ? term : sema_add_op(s, OP_ADD, (int[]){y, term.node}, 2, NULL, NULL, call->at);
     if (sum.kind == V_ERR)
       return ERR;
     y = sum.node;
@@ -810,26 +812,28 @@ static Val builtin_conv1d(Sema *s, const Builtin *b, const Expr *call, const Exp
       int zero = zeros >= 0 ? zeros : ir_const(s->g, 0, call->at);
       zeros = zero < 0 || zeros >= 0 ? zeros : ir_broadcast(s->g, zero, xs, call->at);
       if (zeros < 0) {
-        error_at(s, call->at, "%s", s->g->err);
+        sema_error(s, call->at, "%s", s->g->err);
         return ERR;
       }
       taps[j] = zeros;
     }
-    Val cols = k == 1 ? tensor_val(taps[0]) : add_op(s, OP_CONCAT, taps, (int)k, (int64_t[8]){2}, NULL, call->at);
-    Val flat = cols.kind == V_ERR ? ERR
-                                  : reshape(s, cols.node, (Shape){.rank = 2, .d = {xs.d[0] * t, k * cin}}, call->at);
-    Val wf = reshape(s, w, (Shape){.rank = 2, .d = {k * cin, cout}}, call->at);
+    Val cols = k == 1 ? tensor_val(taps[0]) : sema_add_op(s, OP_CONCAT, taps, (int)k, (int64_t[8]){2}, NULL, call->at);
+    Val flat = cols.kind == V_ERR
+                   ? ERR
+                   : sema_reshape(s, cols.node, (Shape){.rank = 2, .d = {xs.d[0] * t, k * cin}}, call->at);
+    Val wf = sema_reshape(s, w, (Shape){.rank = 2, .d = {k * cin, cout}}, call->at);
     Val prod = flat.kind == V_ERR || wf.kind == V_ERR
                    ? ERR
-                   : add_op(s, OP_MATMUL, (int[]){flat.node, wf.node}, 2, (int64_t[8]){0, 0}, NULL, call->at);
-    Val out = prod.kind == V_ERR ? ERR : reshape(s, prod.node, (Shape){.rank = 3, .d = {xs.d[0], t, cout}}, call->at);
+                   : sema_add_op(s, OP_MATMUL, (int[]){flat.node, wf.node}, 2, (int64_t[8]){0, 0}, NULL, call->at);
+    Val out = prod.kind == V_ERR ? ERR
+                                 : sema_reshape(s, prod.node, (Shape){.rank = 3, .d = {xs.d[0], t, cout}}, call->at);
     if (out.kind == V_ERR)
       return ERR;
     y = out.node;
   } // (the tap at x[t] itself is always there: y >= 0)
   if (bias < 0)
     return tensor_val(y);
-  return add_op(s, OP_ADD, (int[]){y, bias}, 2, NULL, NULL, call->at);
+  return sema_add_op(s, OP_ADD, (int[]){y, bias}, 2, NULL, NULL, call->at);
 }
 
 // Each dropout gets its own random stream: its index among the graph's dropouts, from 1.
@@ -837,7 +841,7 @@ static Val builtin_dropout(Sema *s, const Builtin *b, const Expr *call, const Ex
   (void)b, (void)arg;
   int x = val[0].v.node;
   double p = float_or(&val[1], 0.1);
-  return add_op(s, OP_DROPOUT, &x, 1, (int64_t[8]){++s->dropouts}, (double[6]){p}, call->at);
+  return sema_add_op(s, OP_DROPOUT, &x, 1, (int64_t[8]){++s->dropouts}, (double[6]){p}, call->at);
 }
 
 static const Builtin builtins[] = {
@@ -883,17 +887,17 @@ static const Builtin builtins[] = {
 };
 
 // The builtin a call names; NULL when there is none (reported).
-const Builtin *find_builtin(Sema *s, const Expr *e) {
+const Builtin *sema_find_builtin(Sema *s, const Expr *e) {
   for (size_t i = 0; i < sizeof builtins / sizeof *builtins; i++)
     if (!strcmp(builtins[i].name, e->s))
       return &builtins[i];
   if (!strcmp(e->s, "normal"))
-    error_at(s, e->at, "normal(std) initialises a param: param NAME: [shape] = normal(std)");
+    sema_error(s, e->at, "normal(std) initialises a param: param NAME: [shape] = normal(std)");
   else {
     Nearest near = {e->s, NULL, 3};
     for (size_t i = 0; i < sizeof builtins / sizeof *builtins; i++)
-      consider(&near, builtins[i].name);
-    error_at(s, e->at, "unknown op '%s'%s", e->s, did_you_mean(s, &near));
+      sema_consider(&near, builtins[i].name);
+    sema_error(s, e->at, "unknown op '%s'%s", e->s, sema_did_you_mean(s, &near));
   }
   return NULL;
 }

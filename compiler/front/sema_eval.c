@@ -19,7 +19,7 @@ enum { SEMA_MAX_DEPTH = 1000 };
 static Val eval_const(Sema *s, const Expr *e) {
   bool saved = s->constant;
   s->constant = true;
-  Val v = eval(s, e);
+  Val v = sema_eval(s, e);
   s->constant = saved;
   return v;
 }
@@ -59,7 +59,7 @@ static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
   case '%':
   case 'q':
     if (b == 0) {
-      error_at(s, e->at, "division by zero in dimension arithmetic");
+      sema_error(s, e->at, "division by zero in dimension arithmetic");
       return ERR;
     }
     if (a == INT64_MIN && b == -1) {
@@ -67,15 +67,15 @@ static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
       break;
     }
     if (e->op == '/' && a % b != 0) {
-      error_at(s, e->at, "%s: %lld is not divisible by %lld", ast_text(s->a, e->at.text, e), (long long)a,
-               (long long)b);
+      sema_error(s, e->at, "%s: %lld is not divisible by %lld", ast_text(s->a, e->at.text, e), (long long)a,
+                 (long long)b);
       return ERR;
     }
     r = e->op == '/' ? a / b : e->op == 'q' ? floor_div(a, b) : floor_mod(a, b);
     break;
   }
   if (overflow) {
-    error_at(s, e->at, "integer overflow in dimension arithmetic");
+    sema_error(s, e->at, "integer overflow in dimension arithmetic");
     return ERR;
   }
   return int_val(r);
@@ -83,7 +83,7 @@ static Val arith_int(Sema *s, const Expr *e, int64_t a, int64_t b) {
 
 static Val arith_scalar(Sema *s, const Expr *e, Val a, Val b) {
   if (a.kind == V_BOOL || b.kind == V_BOOL) {
-    error_at(s, e->at, "'%s' does not apply to booleans", op_text(e->op));
+    sema_error(s, e->at, "'%s' does not apply to booleans", op_text(e->op));
     return ERR;
   }
   if (a.kind == V_INT && b.kind == V_INT)
@@ -95,12 +95,12 @@ static Val arith_scalar(Sema *s, const Expr *e, Val a, Val b) {
   case '*': return float_val(x * y);
   case '/':
     if (y == 0) {
-      error_at(s, e->at, "division by zero");
+      sema_error(s, e->at, "division by zero");
       return ERR;
     }
     return float_val(x / y);
   }
-  error_at(s, e->at, "'%s' needs integer operands", op_text(e->op));
+  sema_error(s, e->at, "'%s' needs integer operands", op_text(e->op));
   return ERR;
 }
 
@@ -111,7 +111,7 @@ static Val comparison(Sema *s, const Expr *e, Val a, Val b) {
   static const char ops[] = "<l>gen";
   int64_t rel = strchr(ops, e->op) - ops; // CMP_LT, CMP_LE, ... in Compare's order
   if (a.kind == V_BOOL || b.kind == V_BOOL) {
-    error_at(s, e->at, "'%s' compares numbers and tensors, not booleans", op_text(e->op));
+    sema_error(s, e->at, "'%s' compares numbers and tensors, not booleans", op_text(e->op));
     return ERR;
   }
   if (a.kind != V_TENSOR && b.kind != V_TENSOR) {
@@ -119,10 +119,10 @@ static Val comparison(Sema *s, const Expr *e, Val a, Val b) {
     return (Val){.kind = V_BOOL, .i = interp_compare(rel, x, y) != 0};
   }
   int in[2];
-  if (!operand_nodes(s, arena_printf(s->a, "'%s'", op_text(e->op)), e->at, (Val[]){a, b},
-                     (SrcLoc[]){e->lhs->at, e->rhs->at}, 2, in))
+  if (!sema_operand_nodes(s, arena_printf(s->a, "'%s'", op_text(e->op)), e->at, (Val[]){a, b},
+                          (SrcLoc[]){e->lhs->at, e->rhs->at}, 2, in))
     return ERR;
-  return add_op(s, OP_COMPARE, in, 2, (int64_t[8]){rel}, NULL, e->at);
+  return sema_add_op(s, OP_COMPARE, in, 2, (int64_t[8]){rel}, NULL, e->at);
 }
 
 static bool is_transpose(const Expr *e) { return e->kind == E_ATTR && !strcmp(e->s, "T"); }
@@ -132,8 +132,8 @@ static Val transpose(Sema *s, const Expr *e, Val v) {
   if (v.kind == V_ERR)
     return ERR;
   if (v.kind != V_TENSOR || node(s, v.node)->shape.rank < 2) {
-    error_at(s, e->at, "'.T' needs a tensor of rank 2 or more, got %s",
-             v.kind == V_TENSOR ? shape_text(s, node(s, v.node)->shape) : describe(v));
+    sema_error(s, e->at, "'.T' needs a tensor of rank 2 or more, got %s",
+               v.kind == V_TENSOR ? sema_shape_text(s, node(s, v.node)->shape) : sema_describe(v));
     return ERR;
   }
   int r = node(s, v.node)->shape.rank;
@@ -142,15 +142,15 @@ static Val transpose(Sema *s, const Expr *e, Val v) {
     perm[i] = i;
   perm[r - 2] = r - 1;
   perm[r - 1] = r - 2;
-  return add_op(s, OP_PERMUTE, &v.node, 1, perm, NULL, e->at);
+  return sema_add_op(s, OP_PERMUTE, &v.node, 1, perm, NULL, e->at);
 }
 
 // A `.T` operand of @ becomes the matmul's transpose flag rather than a PERMUTE node.
 static Val matmul_operand(Sema *s, const Expr *e, bool *transposed) {
   *transposed = false;
   if (!is_transpose(e))
-    return eval(s, e);
-  Val v = eval(s, e->lhs);
+    return sema_eval(s, e);
+  Val v = sema_eval(s, e->lhs);
   if (v.kind == V_TENSOR && node(s, v.node)->shape.rank >= 2) {
     *transposed = true;
     return v;
@@ -165,7 +165,7 @@ static Val matmul(Sema *s, const Expr *e) {
   if (a.kind == V_ERR || b.kind == V_ERR)
     return ERR;
   if (a.kind != V_TENSOR || b.kind != V_TENSOR) {
-    error_at(s, e->at, "'@' needs two tensors, got %s and %s", describe(a), describe(b));
+    sema_error(s, e->at, "'@' needs two tensors, got %s and %s", sema_describe(a), sema_describe(b));
     return ERR;
   }
   Shape as = node(s, a.node)->shape, bs = node(s, b.node)->shape;
@@ -174,29 +174,29 @@ static Val matmul(Sema *s, const Expr *e) {
     int64_t k = as.d[as.rank - 1];
     if (k == (tb ? bs.d[1] : bs.d[0])) {
       Shape flat = {.rank = 2, .d = {shape_numel(as) / k, k}};
-      Val a2 = reshape(s, a.node, flat, e->at);
+      Val a2 = sema_reshape(s, a.node, flat, e->at);
       if (a2.kind == V_ERR)
         return ERR;
-      Val c = add_op(s, OP_MATMUL, (int[]){a2.node, b.node}, 2, flags, NULL, e->at);
+      Val c = sema_add_op(s, OP_MATMUL, (int[]){a2.node, b.node}, 2, flags, NULL, e->at);
       if (c.kind == V_ERR)
         return ERR;
       Shape out = as;
       out.d[out.rank - 1] = tb ? bs.d[0] : bs.d[1];
-      return reshape(s, c.node, out, e->at);
+      return sema_reshape(s, c.node, out, e->at);
     }
   }
-  return add_op(s, OP_MATMUL, (int[]){a.node, b.node}, 2, flags, NULL, e->at);
+  return sema_add_op(s, OP_MATMUL, (int[]){a.node, b.node}, 2, flags, NULL, e->at);
 }
 
 static Val binary(Sema *s, const Expr *e) {
   if (e->op == '@')
     return matmul(s, e);
-  Val a = eval(s, e->lhs), b = eval(s, e->rhs);
+  Val a = sema_eval(s, e->lhs), b = sema_eval(s, e->rhs);
   if (a.kind == V_ERR || b.kind == V_ERR)
     return ERR;
   if (a.kind == V_TUPLE || b.kind == V_TUPLE) {
-    error_at(s, e->at, "'%s' cannot take the several values of %s(); unpack them first", op_text(e->op),
-             (a.kind == V_TUPLE ? a : b).topk ? "topk" : "split");
+    sema_error(s, e->at, "'%s' cannot take the several values of %s(); unpack them first", op_text(e->op),
+               (a.kind == V_TUPLE ? a : b).topk ? "topk" : "split");
     return ERR;
   }
   if (is_comparison(e->op))
@@ -204,25 +204,25 @@ static Val binary(Sema *s, const Expr *e) {
   if (a.kind != V_TENSOR && b.kind != V_TENSOR)
     return arith_scalar(s, e, a, b);
   if (a.kind == V_BOOL || b.kind == V_BOOL) {
-    error_at(s, e->at, "'%s' does not apply to booleans", op_text(e->op));
+    sema_error(s, e->at, "'%s' does not apply to booleans", op_text(e->op));
     return ERR;
   }
   int in[2];
-  if (!operand_nodes(s, arena_printf(s->a, "'%s'", op_text(e->op)), e->at, (Val[]){a, b},
-                     (SrcLoc[]){e->lhs->at, e->rhs->at}, 2, in))
+  if (!sema_operand_nodes(s, arena_printf(s->a, "'%s'", op_text(e->op)), e->at, (Val[]){a, b},
+                          (SrcLoc[]){e->lhs->at, e->rhs->at}, 2, in))
     return ERR;
   bool ints = node(s, in[0])->dtype == DT_I32;
   if ((e->op == '%' || e->op == 'q') && !ints) {
-    error_at(s, e->at, "'%s' applies to integers (i32 tensors, dims and consts), not to %s tensors", op_text(e->op),
-             dtype_name(node(s, in[0])->dtype));
+    sema_error(s, e->at, "'%s' applies to integers (i32 tensors, dims and consts), not to %s tensors", op_text(e->op),
+               dtype_name(node(s, in[0])->dtype));
     return ERR;
   }
   if ((e->op == '%' || e->op == 'q') && b.kind == V_INT && b.i == 0) {
-    error_at(s, e->at, "division by zero");
+    sema_error(s, e->at, "division by zero");
     return ERR;
   }
   if (e->op == '/' && ints) {
-    error_at(s, e->at, "'/' does not apply to i32 tensors: a // b is the integer quotient, float(a) / b a float one");
+    sema_error(s, e->at, "'/' does not apply to i32 tensors: a // b is the integer quotient, float(a) / b a float one");
     return ERR;
   }
   Op op = e->op == '+'   ? OP_ADD
@@ -231,40 +231,40 @@ static Val binary(Sema *s, const Expr *e) {
           : e->op == '/' ? OP_DIV
           : e->op == 'q' ? OP_FLOORDIV
                          : OP_MOD;
-  return add_op(s, op, in, 2, NULL, NULL, e->at);
+  return sema_add_op(s, op, in, 2, NULL, NULL, e->at);
 }
 
 static Val negate(Sema *s, const Expr *e) {
-  Val v = eval(s, e->lhs);
+  Val v = sema_eval(s, e->lhs);
   switch (v.kind) {
   case V_ERR: return ERR;
   case V_INT:
     if (v.i == INT64_MIN) {
-      error_at(s, e->at, "integer overflow in dimension arithmetic");
+      sema_error(s, e->at, "integer overflow in dimension arithmetic");
       return ERR;
     }
     return int_val(-v.i);
   case V_FLOAT: return float_val(-v.f);
-  case V_TENSOR: return add_op(s, OP_NEG, &v.node, 1, NULL, NULL, e->at);
-  default: error_at(s, e->at, "unary '-' does not apply to %s", describe(v)); return ERR;
+  case V_TENSOR: return sema_add_op(s, OP_NEG, &v.node, 1, NULL, NULL, e->at);
+  default: sema_error(s, e->at, "unary '-' does not apply to %s", sema_describe(v)); return ERR;
   }
 }
 
 static Val attr(Sema *s, const Expr *e) {
   if (!is_transpose(e)) {
-    error_at(s, e->at, "unknown attribute '.%s' (the only one is .T)", e->s);
+    sema_error(s, e->at, "unknown attribute '.%s' (the only one is .T)", e->s);
     return ERR;
   }
-  return transpose(s, e, eval(s, e->lhs));
+  return transpose(s, e, sema_eval(s, e->lhs));
 }
 
 // Evaluates e to an integer (dims, consts, literals and their arithmetic).
 static bool int_of(Sema *s, const Expr *e, const char *what, int64_t *out) {
-  Val v = eval(s, e);
+  Val v = sema_eval(s, e);
   if (v.kind == V_ERR)
     return false;
   if (v.kind != V_INT) {
-    error_at(s, e->at, "%s must be an integer, got %s", what, describe(v));
+    sema_error(s, e->at, "%s must be an integer, got %s", what, sema_describe(v));
     return false;
   }
   *out = v.i;
@@ -273,16 +273,16 @@ static bool int_of(Sema *s, const Expr *e, const char *what, int64_t *out) {
 
 // x[i, a:b, :]: SLICE per restricted axis; integer indices then drop their axes with a RESHAPE.
 static Val index_expr(Sema *s, const Expr *e) {
-  Val v = eval(s, e->lhs);
+  Val v = sema_eval(s, e->lhs);
   if (v.kind == V_ERR)
     return ERR;
   if (v.kind != V_TENSOR) {
-    error_at(s, e->at, "only tensors can be indexed, not %s", describe(v));
+    sema_error(s, e->at, "only tensors can be indexed, not %s", sema_describe(v));
     return ERR;
   }
   Shape sh = node(s, v.node)->shape;
   if (e->nargs > sh.rank) {
-    error_at(s, e->at, "%d indices for a tensor of rank %d", e->nargs, sh.rank);
+    sema_error(s, e->at, "%d indices for a tensor of rank %d", e->nargs, sh.rank);
     return ERR;
   }
   int x = v.node;
@@ -296,7 +296,7 @@ static Val index_expr(Sema *s, const Expr *e) {
         return ERR;
       int64_t i = lo < 0 ? lo + n : lo;
       if (i < 0 || i >= n) {
-        error_at(s, ix->at, "index %lld is out of range for axis %d of size %lld", (long long)lo, ax, (long long)n);
+        sema_error(s, ix->at, "index %lld is out of range for axis %d of size %lld", (long long)lo, ax, (long long)n);
         return ERR;
       }
       lo = i;
@@ -306,15 +306,15 @@ static Val index_expr(Sema *s, const Expr *e) {
         return ERR;
       int64_t a = lo < 0 ? lo + n : lo, b = hi < 0 ? hi + n : hi;
       if (a < 0 || b > n || a >= b) {
-        error_at(s, ix->at, "slice %lld:%lld is empty or out of range for axis %d of size %lld", (long long)lo,
-                 (long long)hi, ax, (long long)n);
+        sema_error(s, ix->at, "slice %lld:%lld is empty or out of range for axis %d of size %lld", (long long)lo,
+                   (long long)hi, ax, (long long)n);
         return ERR;
       }
       lo = a;
       hi = b;
     }
     if (hi - lo != n) {
-      Val sl = add_op(s, OP_SLICE, &x, 1, (int64_t[8]){ax, lo, hi}, NULL, ix->at);
+      Val sl = sema_add_op(s, OP_SLICE, &x, 1, (int64_t[8]){ax, lo, hi}, NULL, ix->at);
       if (sl.kind == V_ERR)
         return ERR;
       x = sl.node;
@@ -324,15 +324,15 @@ static Val index_expr(Sema *s, const Expr *e) {
   }
   if (kept.rank == sh.rank)
     return tensor_val(x);
-  return reshape(s, x, kept, e->at);
+  return sema_reshape(s, x, kept, e->at);
 }
 
 static int tensor_arg(Sema *s, const Builtin *b, const Expr *e, const char *what) {
-  Val v = eval(s, e);
+  Val v = sema_eval(s, e);
   if (v.kind == V_ERR)
     return -1;
   if (v.kind != V_TENSOR) {
-    error_at(s, e->at, "%s: %s must be a tensor, got %s", b->name, what, describe(v));
+    sema_error(s, e->at, "%s: %s must be a tensor, got %s", b->name, what, sema_describe(v));
     return -1;
   }
   return v.node;
@@ -343,11 +343,11 @@ static bool int_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, 
 }
 
 static bool float_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, double *out) {
-  Val v = eval(s, e);
+  Val v = sema_eval(s, e);
   if (v.kind == V_ERR)
     return false;
   if (v.kind != V_INT && v.kind != V_FLOAT) {
-    error_at(s, e->at, "%s: %s must be a number, got %s", b->name, what, describe(v));
+    sema_error(s, e->at, "%s: %s must be a number, got %s", b->name, what, sema_describe(v));
     return false;
   }
   *out = v.kind == V_INT ? (double)v.i : v.f;
@@ -355,11 +355,11 @@ static bool float_arg(Sema *s, const Builtin *b, const Expr *e, const char *what
 }
 
 static bool bool_arg(Sema *s, const Builtin *b, const Expr *e, const char *what, int64_t *out) {
-  Val v = eval(s, e);
+  Val v = sema_eval(s, e);
   if (v.kind == V_ERR)
     return false;
   if (v.kind != V_BOOL) {
-    error_at(s, e->at, "%s: %s must be true or false, got %s", b->name, what, describe(v));
+    sema_error(s, e->at, "%s: %s must be true or false, got %s", b->name, what, sema_describe(v));
     return false;
   }
   *out = v.i != 0;
@@ -369,11 +369,11 @@ static bool bool_arg(Sema *s, const Builtin *b, const Expr *e, const char *what,
 // The integers of a list literal such as [B, T, -1].
 static bool int_list(Sema *s, const Builtin *b, const Expr *e, const char *what, int64_t *out, int *n) {
   if (e->kind != E_LIST) {
-    error_at(s, e->at, "%s: %s must be a list such as [0, 2, 1]", b->name, what);
+    sema_error(s, e->at, "%s: %s must be a list such as [0, 2, 1]", b->name, what);
     return false;
   }
   if (e->nargs > IR_MAX_RANK) {
-    error_at(s, e->at, "%s: %s has %d entries; tensors have at most %d axes", b->name, what, e->nargs, IR_MAX_RANK);
+    sema_error(s, e->at, "%s: %s has %d entries; tensors have at most %d axes", b->name, what, e->nargs, IR_MAX_RANK);
     return false;
   }
   for (int i = 0; i < e->nargs; i++)
@@ -386,7 +386,7 @@ static bool int_list(Sema *s, const Builtin *b, const Expr *e, const char *what,
 // The tensors of a list literal such as [a, b].
 static bool tensor_list(Sema *s, const Builtin *b, const Expr *list, Arg *out) {
   if (list->kind != E_LIST || list->nargs == 0) {
-    error_at(s, list->at, "%s: the first argument must be a list of tensors, such as [a, b]", b->name);
+    sema_error(s, list->at, "%s: the first argument must be a list of tensors, such as [a, b]", b->name);
     return false;
   }
   out->nodes = arena_alloc(s->a, sizeof(int) * (size_t)list->nargs);
@@ -403,11 +403,11 @@ static bool eval_arg(Sema *s, const Builtin *b, int k, char kind, const Expr *e,
   switch (kind) {
   case 't': out->v = tensor_val(tensor_arg(s, b, e, what)); return out->v.node >= 0;
   case 'n':
-    out->v = eval(s, e);
+    out->v = sema_eval(s, e);
     if (out->v.kind == V_ERR)
       return false;
     if (out->v.kind != V_TENSOR && out->v.kind != V_INT && out->v.kind != V_FLOAT) {
-      error_at(s, e->at, "%s: %s must be a tensor or a number, got %s", b->name, what, describe(out->v));
+      sema_error(s, e->at, "%s: %s must be a tensor or a number, got %s", b->name, what, sema_describe(out->v));
       return false;
     }
     return true;
@@ -419,11 +419,11 @@ static bool eval_arg(Sema *s, const Builtin *b, int k, char kind, const Expr *e,
     out->ints = arena_alloc(s->a, sizeof(int64_t) * IR_MAX_RANK);
     return int_list(s, b, e, what, out->ints, &out->n);
   case 'T': return tensor_list(s, b, e, out);
-  default: out->v = eval(s, e); return out->v.kind != V_ERR;
+  default: out->v = sema_eval(s, e); return out->v.kind != V_ERR;
   }
 }
 
-// Evaluates a call's arguments (arg, as bind_args matched them) a group of b->kinds at a time; false
+// Evaluates a call's arguments (arg, as sema_bind_args matched them) a group of b->kinds at a time; false
 // after a group where one failed or a required one was left out (reported).
 static bool eval_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg, Arg *val) {
   for (int k = 0; k < BUILTIN_PARAMS; k++)
@@ -436,7 +436,7 @@ static bool eval_args(Sema *s, const Builtin *b, const Expr *call, const Expr **
     if (arg[k]) {
       ok = eval_arg(s, b, k, *c, arg[k], &val[k]) && ok;
     } else if (*c == 'r') {
-      error_at(s, call->at, "%s: %s=N is required", b->name, b->params[k]);
+      sema_error(s, call->at, "%s: %s=N is required", b->name, b->params[k]);
       ok = false;
     }
     k++;
@@ -445,30 +445,30 @@ static bool eval_args(Sema *s, const Builtin *b, const Expr *call, const Expr **
 }
 
 static Val call(Sema *s, const Expr *e) {
-  const Builtin *b = find_builtin(s, e);
+  const Builtin *b = sema_find_builtin(s, e);
   const Expr *arg[BUILTIN_PARAMS];
   Arg val[BUILTIN_PARAMS];
-  if (!b || !bind_args(s, b, e, arg) || (b->form && !b->form(s, b, arg)) || !eval_args(s, b, e, arg, val))
+  if (!b || !sema_bind_args(s, b, e, arg) || (b->form && !b->form(s, b, arg)) || !eval_args(s, b, e, arg, val))
     return ERR;
   return b->fn(s, b, e, arg, val);
 }
 
 static Val name_value(Sema *s, const Expr *e) {
-  Sym *y = lookup(s, e->s);
+  Sym *y = sema_lookup(s, e->s);
   if (!y) {
-    unknown_name(s, e);
+    sema_unknown_name(s, e);
     return ERR;
   }
   if (y->kind == SYM_DIM || y->kind == SYM_CONST)
-    return sym_value(s, y, e->at);
+    return sema_sym_value(s, y, e->at);
   if (y->kind == SYM_INDEX)
     return y->val;
   if (y->kind == SYM_REPEAT) {
-    error_at(s, e->at, "'%s' names a repeat block, not a value", e->s);
+    sema_error(s, e->at, "'%s' names a repeat block, not a value", e->s);
     return ERR;
   }
   if (s->constant) {
-    error_at(s, e->at, "'%s' is %s; only dims and consts can be used here", e->s, a_sym_kind[y->kind]);
+    sema_error(s, e->at, "'%s' is %s; only dims and consts can be used here", e->s, a_sym_kind[y->kind]);
     return ERR;
   }
   return y->val;
@@ -485,12 +485,12 @@ static Val eval_expr(Sema *s, const Expr *e) {
   case E_ATTR: return attr(s, e);
   case E_CALL: return call(s, e);
   case E_INDEX: return index_expr(s, e);
-  case E_STRING: error_at(s, e->at, "a string is only allowed in the train section's no_decay list"); break;
-  case E_SIZE: error_at(s, e->at, "a size is only allowed in the train section's checkpoint = auto(SIZE)"); break;
-  case E_LIST: error_at(s, e->at, "a list is not a value; lists are arguments of reshape, permute and concat"); break;
-  case E_DICT: error_at(s, e->at, "a {key: value} table is only allowed in the train section's lr_scale"); break;
-  case E_SLICE: error_at(s, e->at, "a slice a:b only goes inside x[...]"); break;
-  case E_KWARG: error_at(s, e->at, "'%s = ...' is only allowed as a call's argument", e->s); break;
+  case E_STRING: sema_error(s, e->at, "a string is only allowed in the train section's no_decay list"); break;
+  case E_SIZE: sema_error(s, e->at, "a size is only allowed in the train section's checkpoint = auto(SIZE)"); break;
+  case E_LIST: sema_error(s, e->at, "a list is not a value; lists are arguments of reshape, permute and concat"); break;
+  case E_DICT: sema_error(s, e->at, "a {key: value} table is only allowed in the train section's lr_scale"); break;
+  case E_SLICE: sema_error(s, e->at, "a slice a:b only goes inside x[...]"); break;
+  case E_KWARG: sema_error(s, e->at, "'%s = ...' is only allowed as a call's argument", e->s); break;
   }
   return ERR;
 }
@@ -505,15 +505,15 @@ static Val dim_value(Sema *s, Sym *d) {
   const Stmt *st = d->decl;
   const Expr *e = st->value ? st->value : d->bind;
   if (!d->overridden && !e) {
-    error_at(s, st->at, "dim '%s' is not bound: set it in the train section or with -D %s=N", d->name, d->name);
+    sema_error(s, st->at, "dim '%s' is not bound: set it in the train section or with -D %s=N", d->name, d->name);
     return ERR;
   }
-  Val v = d->overridden ? int_val(d->override) : eval(s, e);
+  Val v = d->overridden ? int_val(d->override) : sema_eval(s, e);
   SrcLoc at = d->overridden ? st->at : e->at;
   if (v.kind == V_ERR)
     return ERR;
   if (v.kind != V_INT) {
-    error_at(s, at, "dim '%s' must be an integer, got %s", d->name, describe(v));
+    sema_error(s, at, "dim '%s' must be an integer, got %s", d->name, sema_describe(v));
     return ERR;
   }
   if (st->value)
@@ -523,11 +523,11 @@ static Val dim_value(Sema *s, Sym *d) {
     return ERR;
   if (v.i < lo || v.i > hi) {
     if (d->overridden)
-      error_at(s, st->at, "dim '%s' = %lld (from -D %s=%lld) is out of bounds %lld..%lld", d->name, (long long)v.i,
-               d->name, (long long)v.i, (long long)lo, (long long)hi);
+      sema_error(s, st->at, "dim '%s' = %lld (from -D %s=%lld) is out of bounds %lld..%lld", d->name, (long long)v.i,
+                 d->name, (long long)v.i, (long long)lo, (long long)hi);
     else
-      error_at(s, at, "dim '%s' = %lld is out of bounds %lld..%lld", d->name, (long long)v.i, (long long)lo,
-               (long long)hi);
+      sema_error(s, at, "dim '%s' = %lld is out of bounds %lld..%lld", d->name, (long long)v.i, (long long)lo,
+                 (long long)hi);
     return ERR;
   }
   return v;
@@ -537,11 +537,11 @@ static Val dim_value(Sema *s, Sym *d) {
 // Evaluation recurses through nested expressions and the dims and consts they name; a depth limit
 // turns a pathological text (a chain of 100000 additions or of dims naming the next) into one
 // error instead of a stack overflow.
-Val eval(Sema *s, const Expr *e) {
+Val sema_eval(Sema *s, const Expr *e) {
   if (s->too_deep) // reported once; what is left of the text is likely the same again
     return ERR;
   if (s->depth >= SEMA_MAX_DEPTH) {
-    error_at(s, e->at, "nesting too deep: more than %d levels of expressions and the dims they name", SEMA_MAX_DEPTH);
+    sema_error(s, e->at, "nesting too deep: more than %d levels of expressions and the dims they name", SEMA_MAX_DEPTH);
     s->too_deep = true;
     return ERR;
   }
@@ -551,7 +551,7 @@ Val eval(Sema *s, const Expr *e) {
   return v;
 }
 
-Val sym_value(Sema *s, Sym *y, SrcLoc use) {
+Val sema_sym_value(Sema *s, Sym *y, SrcLoc use) {
   if (y->state == DONE)
     return y->val;
   if (y->state == EVALUATING) {
@@ -561,14 +561,14 @@ Val sym_value(Sema *s, Sym *y, SrcLoc use) {
     char path[512] = "";
     for (int i = k; i < s->stack.n; i++)
       snprintf(path + strlen(path), sizeof path - strlen(path), "%s -> ", ((Sym *)s->stack.v[i])->name);
-    error_at(s, use, "reference cycle: %s%s", path, y->name);
+    sema_error(s, use, "reference cycle: %s%s", path, y->name);
     return ERR;
   }
   y->state = EVALUATING;
   vec_push(s->a, &s->stack, y);
   bool saved = s->constant;
   s->constant = true;
-  Val v = y->kind == SYM_DIM ? dim_value(s, y) : eval(s, y->decl->value);
+  Val v = y->kind == SYM_DIM ? dim_value(s, y) : sema_eval(s, y->decl->value);
   s->constant = saved;
   s->stack.n--;
   y->val = v;
@@ -578,22 +578,22 @@ Val sym_value(Sema *s, Sym *y, SrcLoc use) {
 
 // A number setting in range r (an integer where `integer`), finite and within a float's range: the
 // step computes with it in f32.
-bool number(Sema *s, const Expr *e, const char *what, Range r, bool integer, double *out) {
+bool sema_number(Sema *s, const Expr *e, const char *what, Range r, bool integer, double *out) {
   Val v = eval_const(s, e);
   if (v.kind == V_ERR)
     return false;
   if (v.kind != V_INT && (integer || v.kind != V_FLOAT)) {
-    error_at(s, e->at, "%s must be %s, got %s", what, integer ? "an integer" : "a number", describe(v));
+    sema_error(s, e->at, "%s must be %s, got %s", what, integer ? "an integer" : "a number", sema_describe(v));
     return false;
   }
   double x = v.kind == V_INT ? (double)v.i : v.f;
   static const char *const want[] = {"positive", "at least 0", "in [0, 1)"};
   if ((r == R_POSITIVE && !(x > 0)) || (r == R_NONNEG && !(x >= 0)) || (r == R_UNIT && !(x >= 0 && x < 1))) {
-    error_at(s, e->at, "%s must be %s, got %g", what, want[r], x);
+    sema_error(s, e->at, "%s must be %s, got %g", what, want[r], x);
     return false;
   }
   if (!(x <= FLT_MAX)) {
-    error_at(s, e->at, "%s must be finite and at most %g (a float's largest), got %g", what, FLT_MAX, x);
+    sema_error(s, e->at, "%s must be finite and at most %g (a float's largest), got %g", what, FLT_MAX, x);
     return false;
   }
   *out = x;
@@ -610,7 +610,7 @@ static bool eval_shape(Sema *s, const Stmt *st, Shape *out) {
   int rank = st->rank;
   SrcLoc at = st->shape_at;
   if (rank > IR_MAX_RANK) {
-    error_at(s, at, "a tensor has at most %d axes, this shape has %d", IR_MAX_RANK, rank);
+    sema_error(s, at, "a tensor has at most %d axes, this shape has %d", IR_MAX_RANK, rank);
     return false;
   }
   *out = (Shape){.rank = rank};
@@ -620,8 +620,8 @@ static bool eval_shape(Sema *s, const Stmt *st, Shape *out) {
     if (!int_of(s, dims[i], "a shape entry", &out->d[i]))
       return false;
     if (out->d[i] <= 0) {
-      error_at(s, dims[i]->at, "shape entry %s must be positive, got %lld", ast_text(s->a, s->p->text, dims[i]),
-               (long long)out->d[i]);
+      sema_error(s, dims[i]->at, "shape entry %s must be positive, got %lld", ast_text(s->a, s->p->text, dims[i]),
+                 (long long)out->d[i]);
       return false;
     }
     overflow = overflow || __builtin_mul_overflow(numel, out->d[i], &numel);
@@ -630,8 +630,9 @@ static bool eval_shape(Sema *s, const Stmt *st, Shape *out) {
     char count[32] = "more than 2^63";
     if (!overflow)
       snprintf(count, sizeof count, "%lld", (long long)numel);
-    error_at(s, at, "%s '%s': shape %s has %s elements; a tensor may have at most 2^36 (%lld)",
-             st->kind == S_PARAM ? "param" : "input", st->name, shape_text(s, *out), count, (long long)IR_MAX_NUMEL);
+    sema_error(s, at, "%s '%s': shape %s has %s elements; a tensor may have at most 2^36 (%lld)",
+               st->kind == S_PARAM ? "param" : "input", st->name, sema_shape_text(s, *out), count,
+               (long long)IR_MAX_NUMEL);
     return false;
   }
   return true;
@@ -640,14 +641,14 @@ static bool eval_shape(Sema *s, const Stmt *st, Shape *out) {
 // Binds a name to a value: rebinding a value (the closest one in scope: loop-carried values in a
 // repeat body update the outer binding), or defining a new one in the current scope.
 static void assign(Sema *s, const char *name, SrcLoc at, Val v) {
-  Sym *y = lookup(s, name);
+  Sym *y = sema_lookup(s, name);
   if (y && y->kind != SYM_VALUE) {
-    if (error_at(s, at, "cannot assign to %s '%s'", sym_kind[y->kind], name))
+    if (sema_error(s, at, "cannot assign to %s '%s'", sym_kind[y->kind], name))
       diag_note(y->at, "'%s' is defined here", name);
     return;
   }
   if (!y)
-    y = add_sym(s, s->scope, name, SYM_VALUE, at);
+    y = sema_add_sym(s, s->scope, name, SYM_VALUE, at);
   y->val = v;
   if (v.kind == V_TENSOR) {
     IrNode *n = node(s, v.node);
@@ -660,17 +661,17 @@ static void assign_stmt(Sema *s, const Stmt *st) {
   for (int i = 0; i < st->nnames; i++)
     for (int k = 0; k < i; k++)
       if (!strcmp(st->names[i], st->names[k])) {
-        error_at(s, st->names_at[i], "'%s' is assigned twice in one statement", st->names[i]);
+        sema_error(s, st->names_at[i], "'%s' is assigned twice in one statement", st->names[i]);
         return;
       }
-  Val v = eval(s, st->value);
+  Val v = sema_eval(s, st->value);
   if (st->nnames == 1 && v.kind == V_TUPLE) {
-    error_at(s, st->at, "%s gives %d values; unpack them into %d names", v.topk ? "topk" : "split", v.ntuple,
-             v.ntuple);
+    sema_error(s, st->at, "%s gives %d values; unpack them into %d names", v.topk ? "topk" : "split", v.ntuple,
+               v.ntuple);
     v = ERR;
   } else if (st->nnames > 1 && v.kind != V_ERR && (v.kind != V_TUPLE || v.ntuple != st->nnames)) {
-    error_at(s, st->at, "%d names, but the right side gives %d value%s", st->nnames,
-             v.kind == V_TUPLE ? v.ntuple : 1, v.kind == V_TUPLE && v.ntuple != 1 ? "s" : "");
+    sema_error(s, st->at, "%d names, but the right side gives %d value%s", st->nnames,
+               v.kind == V_TUPLE ? v.ntuple : 1, v.kind == V_TUPLE && v.ntuple != 1 ? "s" : "");
     v = ERR;
   }
   for (int i = 0; i < st->nnames; i++)
@@ -681,15 +682,15 @@ static void assign_stmt(Sema *s, const Stmt *st) {
 static void input_stmt(Sema *s, const Stmt *st) {
   bool known = !strcmp(st->dtype, "i32") || !strcmp(st->dtype, "f32");
   if (!known)
-    error_at(s, st->dtype_at, "unknown dtype '%s' (inputs are i32 or f32)", st->dtype);
-  Sym *y = define(s, st->name, SYM_INPUT, st->at);
+    sema_error(s, st->dtype_at, "unknown dtype '%s' (inputs are i32 or f32)", st->dtype);
+  Sym *y = sema_define(s, st->name, SYM_INPUT, st->at);
   Shape sh;
   bool ok = eval_shape(s, st, &sh);
   if (!y || !ok || !known)
     return;
   int id = ir_leaf(s->g, OP_INPUT, st->name, st->dtype[0] == 'i' ? DT_I32 : DT_F32, sh, st->at);
   if (id < 0)
-    error_at(s, st->at, "%s", s->g->err);
+    sema_error(s, st->at, "%s", s->g->err);
   else
     y->val = tensor_val(id);
 }
@@ -703,17 +704,17 @@ static bool param_init(Sema *s, const Expr *e, ParamInit *init) {
     static const Builtin b = {"normal", 1, 1, {"std"}, NULL, OP_COUNT, NULL, NULL};
     const Expr *arg[BUILTIN_PARAMS];
     double std;
-    if (!bind_args(s, &b, e, arg) || !number(s, arg[0], "normal: std", R_NONNEG, false, &std))
+    if (!sema_bind_args(s, &b, e, arg) || !sema_number(s, arg[0], "normal: std", R_NONNEG, false, &std))
       return false;
     *init = (ParamInit){.kind = INIT_NORMAL, .std = std};
     return true;
   }
-  error_at(s, e->at, "unknown initializer '%s' (use normal(std), zeros or ones)", ast_text(s->a, s->p->text, e));
+  sema_error(s, e->at, "unknown initializer '%s' (use normal(std), zeros or ones)", ast_text(s->a, s->p->text, e));
   return false;
 }
 
 static void param_stmt(Sema *s, const Stmt *st) {
-  Sym *y = define(s, st->name, SYM_PARAM, st->at);
+  Sym *y = sema_define(s, st->name, SYM_PARAM, st->at);
   Shape sh;
   ParamInit init = {0};
   bool ok = eval_shape(s, st, &sh);
@@ -722,15 +723,15 @@ static void param_stmt(Sema *s, const Stmt *st) {
     return;
   int64_t bytes = 4 * shape_numel(sh); // at most 2^38: eval_shape bounds the elements
   if (s->param_bytes + bytes > MDL_MAX_PARAM_BYTES || s->g->nparams >= MDL_MAX_PARAMS) {
-    error_at(s, st->at, "param '%s' takes the model past %s", st->name,
-             s->g->nparams >= MDL_MAX_PARAMS ? arena_printf(s->a, "%d parameter tensors", MDL_MAX_PARAMS)
+    sema_error(s, st->at, "param '%s' takes the model past %s", st->name,
+               s->g->nparams >= MDL_MAX_PARAMS ? arena_printf(s->a, "%d parameter tensors", MDL_MAX_PARAMS)
                                             : "2^42 bytes (4 TiB) of f32 parameters");
     s->over_limit = true;
     return;
   }
   int id = ir_leaf(s->g, OP_PARAM, arena_printf(s->a, "%s%s", s->scope->prefix, st->name), DT_F32, sh, st->at);
   if (id < 0) {
-    error_at(s, st->at, "%s", s->g->err);
+    sema_error(s, st->at, "%s", s->g->err);
     return;
   }
   s->param_bytes += bytes;
@@ -740,12 +741,12 @@ static void param_stmt(Sema *s, const Stmt *st) {
 }
 
 static void output_stmt(Sema *s, const Stmt *st) {
-  Val v = eval(s, st->value);
+  Val v = sema_eval(s, st->value);
   if (v.kind != V_ERR && v.kind != V_TENSOR) {
-    error_at(s, st->value->at, "output '%s' must be a tensor, got %s", st->name, describe(v));
+    sema_error(s, st->value->at, "output '%s' must be a tensor, got %s", st->name, sema_describe(v));
     v = ERR;
   } else if (v.kind == V_TENSOR && node(s, v.node)->dtype == DT_I32) { // (metrics and logits are read as f32)
-    error_at(s, st->value->at, "output '%s' is an i32 tensor; outputs are f32: write float(...)", st->name);
+    sema_error(s, st->value->at, "output '%s' is an i32 tensor; outputs are f32: write float(...)", st->name);
     v = ERR;
   }
   assign(s, st->name, st->at, v);
@@ -758,8 +759,8 @@ static void output_stmt(Sema *s, const Stmt *st) {
   if (strcmp(st->name, "loss"))
     return;
   if (n->shape.rank != 0 || n->dtype != DT_F32)
-    error_at(s, st->at, "output 'loss' must be a scalar f32 (shape []), got %s%s", dtype_name(n->dtype),
-             shape_text(s, n->shape));
+    sema_error(s, st->at, "output 'loss' must be a scalar f32 (shape []), got %s%s", dtype_name(n->dtype),
+               sema_shape_text(s, n->shape));
   else
     s->g->loss = v.node;
 }
@@ -788,12 +789,12 @@ static bool repeat_fits(Sema *s, const Stmt *st, int64_t n, Cost before) {
     char total_text[48] = "more than 2^63";
     if (!__builtin_mul_overflow(each, n, &total) && !__builtin_add_overflow(total, before.v[k], &total))
       snprintf(total_text, sizeof total_text, "%lld", (long long)total);
-    Sym *dim = st->value->kind == E_NAME ? lookup(s, st->value->s) : NULL;
+    Sym *dim = st->value->kind == E_NAME ? sema_lookup(s, st->value->s) : NULL;
     char what[96];
     snprintf(what, sizeof what, cost_what[k], total_text);
-    if (error_at(s, st->value->at, "repeat %s[%s]: %s%lld repetitions would %s (%lld per repetition); the limit is %lld",
-                 st->name, count, st->value->kind == E_INT ? "" : arena_printf(s->a, "%s = ", count), (long long)n,
-                 what, (long long)each, (long long)cost_limit[k]) && dim)
+    if (sema_error(s, st->value->at, "repeat %s[%s]: %s%lld repetitions would %s (%lld per repetition); the limit is %lld",
+                   st->name, count, st->value->kind == E_INT ? "" : arena_printf(s->a, "%s = ", count), (long long)n,
+                   what, (long long)each, (long long)cost_limit[k]) && dim)
       diag_note(dim->at, "'%s' is defined here", dim->name);
     s->over_limit = true;
     return false;
@@ -809,14 +810,14 @@ static void repeat_stmt(Sema *s, const Stmt *st) {
   if (!int_of(s, st->value, "a repeat count", &n))
     return;
   if (n < 0) {
-    error_at(s, st->value->at, "a repeat count must not be negative, got %lld", (long long)n);
+    sema_error(s, st->value->at, "a repeat count must not be negative, got %lld", (long long)n);
     return;
   }
-  if (!define(s, st->name, SYM_REPEAT, st->at))
+  if (!sema_define(s, st->name, SYM_REPEAT, st->at))
     return;
-  Sym *taken = st->index ? lookup(s, st->index) : NULL;
+  Sym *taken = st->index ? sema_lookup(s, st->index) : NULL;
   if (taken) {
-    if (error_at(s, st->index_at, "duplicate definition of '%s'", st->index))
+    if (sema_error(s, st->index_at, "duplicate definition of '%s'", st->index))
       diag_note(taken->at, "previous definition is here");
     return;
   }
@@ -826,10 +827,10 @@ static void repeat_stmt(Sema *s, const Stmt *st) {
     Scope sc = {.up = s->scope, .prefix = arena_printf(s->a, "%s%s.%lld.", s->scope->prefix, st->name, (long long)i)};
     s->scope = &sc;
     if (st->index)
-      add_sym(s, &sc, st->index, SYM_INDEX, st->index_at)->val = int_val(i);
+      sema_add_sym(s, &sc, st->index, SYM_INDEX, st->index_at)->val = int_val(i);
     int outer = s->g->cur_body;
     s->g->cur_body = ++s->g->nbodies; // the checkpoint pass's unit (IrNode.body)
-    elaborate(s, st->body, st->nbody);
+    sema_elaborate(s, st->body, st->nbody);
     s->g->cur_body = outer;
     s->scope = sc.up;
     if (i == 0 && !repeat_fits(s, st, n, before))
@@ -837,15 +838,15 @@ static void repeat_stmt(Sema *s, const Stmt *st) {
   }
 }
 
-void elaborate(Sema *s, Stmt **body, int n) {
+void sema_elaborate(Sema *s, Stmt **body, int n) {
   for (int i = 0; i < n && !s->over_limit && !diag_stopped(); i++) {
     const Stmt *st = body[i];
     if (st->rejected)
       continue;
     if (++s->stmts > MDL_MAX_STMTS || s->g->n > MDL_MAX_NODES) { // a huge text, no repeat needed
       bool nodes = s->g->n > MDL_MAX_NODES;
-      error_at(s, st->at, "the model is too large: more than %d %s", nodes ? MDL_MAX_NODES : MDL_MAX_STMTS,
-               nodes ? "graph nodes" : "statements to run");
+      sema_error(s, st->at, "the model is too large: more than %d %s", nodes ? MDL_MAX_NODES : MDL_MAX_STMTS,
+                 nodes ? "graph nodes" : "statements to run");
       s->over_limit = true;
       return;
     }

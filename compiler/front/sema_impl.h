@@ -152,42 +152,42 @@ typedef enum { R_POSITIVE, R_NONNEG, R_UNIT } Range;
 //
 // sema_names.c: names, scopes, and errors
 //
-bool error_at(Sema *s, SrcLoc at, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-const char *describe(Val v);
-char *shape_text(Sema *s, Shape sh);
-Sym *find_in(Scope *sc, const char *name);
-Sym *lookup(Sema *s, const char *name);
-Sym *add_sym(Sema *s, Scope *sc, const char *name, SymKind kind, SrcLoc at);
-Sym *define(Sema *s, const char *name, SymKind kind, SrcLoc at);
-void consider(Nearest *near, const char *candidate);
-const char *did_you_mean(Sema *s, const Nearest *near);
-void unknown_name(Sema *s, const Expr *e);
-const Stmt *declare(Sema *s);
+bool sema_error(Sema *s, SrcLoc at, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+const char *sema_describe(Val v);
+char *sema_shape_text(Sema *s, Shape sh);
+Sym *sema_find_in(Scope *sc, const char *name);
+Sym *sema_lookup(Sema *s, const char *name);
+Sym *sema_add_sym(Sema *s, Scope *sc, const char *name, SymKind kind, SrcLoc at);
+Sym *sema_define(Sema *s, const char *name, SymKind kind, SrcLoc at);
+void sema_consider(Nearest *near, const char *candidate);
+const char *sema_did_you_mean(Sema *s, const Nearest *near);
+void sema_unknown_name(Sema *s, const Expr *e);
+const Stmt *sema_declare(Sema *s);
 
 //
 // sema_builtins.c: the built-in ops, and building graph nodes
 //
-Val add_op(Sema *s, Op op, const int *in, int nin, const int64_t ia[IR_NIA], const double fa[IR_NFA],
-           SrcLoc at);
-Val reshape(Sema *s, int x, Shape sh, SrcLoc at);
-bool operand_nodes(Sema *s, const char *what, SrcLoc at, const Val *v, const SrcLoc *vat, int n, int *out);
-bool bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg);
-const Builtin *find_builtin(Sema *s, const Expr *e);
+Val sema_add_op(Sema *s, Op op, const int *in, int nin, const int64_t ia[IR_NIA], const double fa[IR_NFA],
+                SrcLoc at);
+Val sema_reshape(Sema *s, int x, Shape sh, SrcLoc at);
+bool sema_operand_nodes(Sema *s, const char *what, SrcLoc at, const Val *v, const SrcLoc *vat, int n, int *out);
+bool sema_bind_args(Sema *s, const Builtin *b, const Expr *call, const Expr **arg);
+const Builtin *sema_find_builtin(Sema *s, const Expr *e);
 
 //
 // sema_eval.c: statements and expressions
 //
-Val eval(Sema *s, const Expr *e);
-Val sym_value(Sema *s, Sym *y, SrcLoc use);
-bool number(Sema *s, const Expr *e, const char *what, Range r, bool integer, double *out);
-void elaborate(Sema *s, Stmt **body, int n);
+Val sema_eval(Sema *s, const Expr *e);
+Val sema_sym_value(Sema *s, Sym *y, SrcLoc use);
+bool sema_number(Sema *s, const Expr *e, const char *what, Range r, bool integer, double *out);
+void sema_elaborate(Sema *s, Stmt **body, int n);
 
 //
 // sema_train.c: the train section
 //
-void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimOverride *ov, int nov);
-void train_config(Sema *s);
-void set_decay(Sema *s);
-void set_muon(Sema *s);
+void sema_bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimOverride *ov, int nov);
+void sema_train_config(Sema *s);
+void sema_set_decay(Sema *s);
+void sema_set_muon(Sema *s);
 
 #endif

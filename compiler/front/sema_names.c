@@ -1,7 +1,7 @@
 // sema_names.c: names and scopes: the top-level declarations (step 1 of sema.c: duplicates and
 // statements out of place), the scopes names are defined in and looked up from, and what is said
 // about a name that finds nothing (used before its definition, local to a repeat, did you mean).
-// Also error_at, through which every file of the analysis reports.
+// Also sema_error, through which every file of the analysis reports.
 #include "sema_impl.h"
 
 #include <stdarg.h>
@@ -47,7 +47,7 @@ static void map_put(Arena *a, NameMap *m, const char *name, void *val) {
 
 // Prints an error unless the same one was printed at the same place; returns whether it printed
 // (so the caller knows whether to add its note).
-bool error_at(Sema *s, SrcLoc at, const char *fmt, ...) {
+bool sema_error(Sema *s, SrcLoc at, const char *fmt, ...) {
   if (diag_stopped())
     return false;
   char msg[768];
@@ -64,7 +64,7 @@ bool error_at(Sema *s, SrcLoc at, const char *fmt, ...) {
   return true;
 }
 
-const char *describe(Val v) {
+const char *sema_describe(Val v) {
   switch (v.kind) {
   case V_INT: return "an integer";
   case V_FLOAT: return "a number";
@@ -76,13 +76,13 @@ const char *describe(Val v) {
   return "an error";
 }
 
-char *shape_text(Sema *s, Shape sh) { return shape_str(sh, arena_alloc(s->a, 128), 128); }
+char *sema_shape_text(Sema *s, Shape sh) { return shape_str(sh, arena_alloc(s->a, 128), 128); }
 
 //
 // Scopes and names
 //
 
-Sym *find_in(Scope *sc, const char *name) {
+Sym *sema_find_in(Scope *sc, const char *name) {
   if (sc->index)
     return map_get(sc->index, name);
   for (Sym *y = sc->syms; y; y = y->next)
@@ -91,16 +91,16 @@ Sym *find_in(Scope *sc, const char *name) {
   return NULL;
 }
 
-Sym *lookup(Sema *s, const char *name) {
+Sym *sema_lookup(Sema *s, const char *name) {
   for (Scope *sc = s->scope; sc; sc = sc->up) {
-    Sym *y = find_in(sc, name);
+    Sym *y = sema_find_in(sc, name);
     if (y)
       return y;
   }
   return NULL;
 }
 
-Sym *add_sym(Sema *s, Scope *sc, const char *name, SymKind kind, SrcLoc at) {
+Sym *sema_add_sym(Sema *s, Scope *sc, const char *name, SymKind kind, SrcLoc at) {
   Sym *y = arena_alloc(s->a, sizeof *y);
   *y = (Sym){.name = name, .kind = kind, .at = at, .next = sc->syms};
   sc->syms = y;
@@ -110,14 +110,14 @@ Sym *add_sym(Sema *s, Scope *sc, const char *name, SymKind kind, SrcLoc at) {
 }
 
 // Defines a name in the current scope; a name visible from here already is a duplicate.
-Sym *define(Sema *s, const char *name, SymKind kind, SrcLoc at) {
-  Sym *old = lookup(s, name);
+Sym *sema_define(Sema *s, const char *name, SymKind kind, SrcLoc at) {
+  Sym *old = sema_lookup(s, name);
   if (old) {
-    if (error_at(s, at, "duplicate definition of '%s'", name))
+    if (sema_error(s, at, "duplicate definition of '%s'", name))
       diag_note(old->at, "previous definition is here");
     return NULL;
   }
-  return add_sym(s, s->scope, name, kind, at);
+  return sema_add_sym(s, s->scope, name, kind, at);
 }
 
 static bool loc_before(SrcLoc a, SrcLoc b) { return a.line < b.line || (a.line == b.line && a.col < b.col); }
@@ -150,39 +150,39 @@ static int edit_distance(const char *a, const char *b) {
   return row[m] < 3 ? row[m] : 3;
 }
 
-void consider(Nearest *near, const char *candidate) {
+void sema_consider(Nearest *near, const char *candidate) {
   int d = edit_distance(near->name, candidate);
   if (d < near->dist && d < (int)strlen(near->name)) {
     near->dist = d;
     near->best = candidate;
   }
 }
-const char *did_you_mean(Sema *s, const Nearest *near) {
+const char *sema_did_you_mean(Sema *s, const Nearest *near) {
   return near->best ? arena_printf(s->a, " (did you mean '%s'?)", near->best) : "";
 }
 
-void unknown_name(Sema *s, const Expr *e) {
+void sema_unknown_name(Sema *s, const Expr *e) {
   const Decl *d = NULL;
   for (int i = 0; i < s->decls.n && !d; i++)
     if (!strcmp(((Decl *)s->decls.v[i])->name, e->s))
       d = s->decls.v[i];
   if (d && d->index) {
-    if (error_at(s, e->at, "'%s' is the index of repeat block '%s' and exists only inside its body", e->s, d->repeat))
+    if (sema_error(s, e->at, "'%s' is the index of repeat block '%s' and exists only inside its body", e->s, d->repeat))
       diag_note(d->at, "'%s' is defined here", e->s);
   } else if (d && s->constant) {
-    error_at(s, e->at, "'%s' is %s; only dims and consts can be used here", e->s, d->kind);
+    sema_error(s, e->at, "'%s' is %s; only dims and consts can be used here", e->s, d->kind);
   } else if (d && loc_before(e->at, d->at)) {
-    if (error_at(s, e->at, "'%s' is used before its definition", e->s))
+    if (sema_error(s, e->at, "'%s' is used before its definition", e->s))
       diag_note(d->at, "'%s' is defined here", e->s);
   } else if (d && d->repeat) {
-    if (error_at(s, e->at, "'%s' is local to repeat block '%s'", e->s, d->repeat))
+    if (sema_error(s, e->at, "'%s' is local to repeat block '%s'", e->s, d->repeat))
       diag_note(d->at, "'%s' is defined here", e->s);
   } else {
     Nearest near = {e->s, NULL, 3};
     for (Scope *sc = s->scope; sc; sc = sc->up)
       for (Sym *y = sc->syms; y; y = y->next)
-        consider(&near, y->name);
-    error_at(s, e->at, "unknown name '%s'%s", e->s, did_you_mean(s, &near));
+        sema_consider(&near, y->name);
+    sema_error(s, e->at, "unknown name '%s'%s", e->s, sema_did_you_mean(s, &near));
   }
 }
 
@@ -225,23 +225,23 @@ static void scan_body(Sema *s, Stmt **body, int n, const char *repeat) {
     default: break;
     }
     if (repeat && st->kind != S_PARAM && st->kind != S_ASSIGN && st->kind != S_REPEAT) {
-      error_at(s, st->at, "'%s' is not allowed inside a repeat block", stmt_keyword(st->kind));
+      sema_error(s, st->at, "'%s' is not allowed inside a repeat block", stmt_keyword(st->kind));
       st->rejected = true;
     }
   }
 }
 
 static void reject_duplicate(Sema *s, Stmt *st, const Stmt *old) {
-  bool printed = st->kind == S_MODEL   ? error_at(s, st->at, "duplicate model statement: a file defines one model")
-                 : st->kind == S_TRAIN ? error_at(s, st->at, "duplicate train section")
-                                       : error_at(s, st->at, "duplicate definition of '%s'", st->name);
+  bool printed = st->kind == S_MODEL   ? sema_error(s, st->at, "duplicate model statement: a file defines one model")
+                 : st->kind == S_TRAIN ? sema_error(s, st->at, "duplicate train section")
+                                       : sema_error(s, st->at, "duplicate definition of '%s'", st->name);
   if (printed)
     diag_note(old->at, "previous definition is here");
   st->rejected = true;
 }
 
 // Step 1 over the top-level statements; returns the train section, if any.
-const Stmt *declare(Sema *s) {
+const Stmt *sema_declare(Sema *s) {
   NameMap top = {0}, outputs = {0}; // statement by name
   Stmt *model = NULL, *train = NULL;
   for (int i = 0; i < s->p->stmts.n; i++) {
@@ -275,7 +275,7 @@ const Stmt *declare(Sema *s) {
       }
       map_put(s->a, &top, st->name, st);
       if (st->kind == S_DIM || st->kind == S_CONST) {
-        Sym *y = add_sym(s, &s->global, st->name, st->kind == S_DIM ? SYM_DIM : SYM_CONST, st->at);
+        Sym *y = sema_add_sym(s, &s->global, st->name, st->kind == S_DIM ? SYM_DIM : SYM_CONST, st->at);
         y->decl = st;
         vec_push(s->a, st->kind == S_DIM ? &s->dims : &s->consts, y);
       }
@@ -285,14 +285,14 @@ const Stmt *declare(Sema *s) {
   }
   scan_body(s, (Stmt **)s->p->stmts.v, s->p->stmts.n, NULL);
   if (!model)
-    error_at(s, (SrcLoc){.file = s->p->file, .text = s->p->text, .line = 1, .col = 1},
-             "no model statement: a .mdl file starts with 'model NAME'");
+    sema_error(s, (SrcLoc){.file = s->p->file, .text = s->p->text, .line = 1, .col = 1},
+               "no model statement: a .mdl file starts with 'model NAME'");
   else
     s->g->model = model->name;
   for (int i = 0; train && i < train->nbody; i++) {
     Stmt *st = train->body[i];
     if (st->kind != S_ASSIGN || st->nnames != 1) {
-      error_at(s, st->at, "only settings such as 'B = 8' are allowed in the train section");
+      sema_error(s, st->at, "only settings such as 'B = 8' are allowed in the train section");
       st->rejected = true;
     }
   }

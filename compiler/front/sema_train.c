@@ -36,12 +36,12 @@ static Setting *find_setting(Sema *s, const char *key) {
 
 // A free dim's binding from the train section or --set (st); false when `name` is no dim.
 static bool bind_dim(Sema *s, const Stmt *st, const char *where) {
-  Sym *d = find_in(&s->global, st->name);
+  Sym *d = sema_find_in(&s->global, st->name);
   if (!d || d->kind != SYM_DIM)
     return false;
   if (d->decl->value) {
-    if (error_at(s, st->at, "'%s' is a fixed dim; only free dims (dim %s in LO..HI) are set %s", st->name, st->name,
-                 where))
+    if (sema_error(s, st->at, "'%s' is a fixed dim; only free dims (dim %s in LO..HI) are set %s", st->name, st->name,
+                   where))
       diag_note(d->at, "'%s' is defined here", st->name);
   } else {
     d->bind = st->value;
@@ -78,8 +78,8 @@ static void apply_set(Sema *s, const Stmt *st) {
     vec_push(s->a, &s->settings, set);
   }
   const Expr *old = set->value;
-  if (old->kind != E_NAME && old->kind != E_CALL) { // (train_config says what is wrong with it)
-    error_at(s, st->at, "--set %s: the %s setting is not a call to add '%s' to", st->name, key, st->name);
+  if (old->kind != E_NAME && old->kind != E_CALL) { // (sema_train_config says what is wrong with it)
+    sema_error(s, st->at, "--set %s: the %s setting is not a call to add '%s' to", st->name, key, st->name);
     return;
   }
   Expr *call = arena_alloc(s->a, sizeof *call);
@@ -105,7 +105,7 @@ static void apply_set(Sema *s, const Stmt *st) {
 // Step 2: sorts the train section into free-dim bindings and settings, applies --set and then -D
 // over both, then evaluates every dim (filling g->dims) and every const, so each error shows even
 // when unused.
-void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimOverride *ov, int nov) {
+void sema_bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimOverride *ov, int nov) {
   for (int i = 0; train && i < train->nbody; i++) {
     const Stmt *st = train->body[i];
     if (st->rejected)
@@ -113,14 +113,14 @@ void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimOverride
     bool seen = false;
     for (int k = 0; k < i && !seen; k++)
       if (!train->body[k]->rejected && !strcmp(train->body[k]->name, st->name)) {
-        if (error_at(s, st->at, "duplicate definition of '%s'", st->name))
+        if (sema_error(s, st->at, "duplicate definition of '%s'", st->name))
           diag_note(train->body[k]->at, "previous definition is here");
         seen = true;
       }
     if (seen || bind_dim(s, st, "in the train section"))
       continue;
     if (!is_train_key(st->name)) {
-      error_at(s, st->at, "unknown train setting '%s' (settings: free dims, optimizer, schedule, no_decay, "
+      sema_error(s, st->at, "unknown train setting '%s' (settings: free dims, optimizer, schedule, no_decay, "
                           "lr_scale, freeze, muon_params, clip, accumulate, precision, amax_history, checkpoint)", st->name);
       continue;
     }
@@ -131,10 +131,10 @@ void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimOverride
   for (int i = 0; i < sets->n; i++)
     apply_set(s, sets->v[i]);
   for (int i = 0; i < nov; i++) {
-    Sym *d = find_in(&s->global, ov[i].name);
+    Sym *d = sema_find_in(&s->global, ov[i].name);
     if (!d || d->kind != SYM_DIM) {
-      error_at(s, (SrcLoc){.file = s->p->file}, "-D %s=%lld: the model has no dim '%s'", ov[i].name,
-               (long long)ov[i].value, ov[i].name);
+      sema_error(s, (SrcLoc){.file = s->p->file}, "-D %s=%lld: the model has no dim '%s'", ov[i].name,
+                 (long long)ov[i].value, ov[i].name);
       continue;
     }
     d->overridden = true;
@@ -144,12 +144,12 @@ void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimOverride
   g->dims = arena_alloc(s->a, sizeof(DimBinding) * (size_t)(s->dims.n ? s->dims.n : 1));
   for (int i = 0; i < s->dims.n; i++) {
     Sym *d = s->dims.v[i];
-    Val v = sym_value(s, d, d->at), own = d->overridden && d->decl->value ? eval(s, d->decl->value) : v;
+    Val v = sema_sym_value(s, d, d->at), own = d->overridden && d->decl->value ? sema_eval(s, d->decl->value) : v;
     g->dims[g->ndims++] = (DimBinding){d->name, v.kind == V_INT ? v.i : 0, own.kind == V_INT ? own.i : 0};
   }
   for (int i = 0; i < s->consts.n; i++) {
     Sym *c = s->consts.v[i];
-    sym_value(s, c, c->at);
+    sema_sym_value(s, c, c->at);
   }
 }
 
@@ -157,7 +157,7 @@ void bind_dims(Sema *s, const Stmt *train, const PtrVec *sets, const DimOverride
 // Step 3: the train section
 //
 
-// NAME or NAME(keyword=value, ...) in the train section; arg[k] as bind_args.
+// NAME or NAME(keyword=value, ...) in the train section; arg[k] as sema_bind_args.
 static bool train_call(Sema *s, const Builtin *b, const Expr *e, const char *setting, const char *names,
                        const Expr **arg) {
   if (e->kind == E_NAME && !strcmp(e->s, b->name)) {
@@ -166,9 +166,9 @@ static bool train_call(Sema *s, const Builtin *b, const Expr *e, const char *set
     return true;
   }
   if (e->kind == E_CALL && !strcmp(e->s, b->name))
-    return bind_args(s, b, e, arg);
-  error_at(s, e->at, "unknown %s '%s' (available: %s)", setting,
-           e->kind == E_NAME || e->kind == E_CALL ? e->s : ast_text(s->a, e->at.text, e), names);
+    return sema_bind_args(s, b, e, arg);
+  sema_error(s, e->at, "unknown %s '%s' (available: %s)", setting,
+             e->kind == E_NAME || e->kind == E_CALL ? e->s : ast_text(s->a, e->at.text, e), names);
   return false;
 }
 
@@ -180,7 +180,7 @@ static const char *word(Sema *s, const Expr *e, const char *setting, const char 
   char list[128] = "";
   for (int i = 0; i < n; i++)
     snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? (i + 1 < n ? ", " : " or ") : "", choices[i]);
-  error_at(s, e->at, "unknown %s '%s' (expected %s)", setting, ast_text(s->a, e->at.text, e), list);
+  sema_error(s, e->at, "unknown %s '%s' (expected %s)", setting, ast_text(s->a, e->at.text, e), list);
   return NULL;
 }
 
@@ -189,7 +189,7 @@ static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
   if (e->kind == E_CALL && !strcmp(e->s, "auto")) {
     static const Builtin b = {"auto", 1, 1, {"budget"}, NULL, OP_COUNT, NULL, NULL};
     const Expr *arg[BUILTIN_PARAMS];
-    if (!bind_args(s, &b, e, arg))
+    if (!sema_bind_args(s, &b, e, arg))
       return;
     if (arg[0]->kind == E_FLOAT && arg[0]->f > 0 && arg[0]->f <= 1) { // a fraction of the memory there is
       t->checkpoint = arena_printf(s->a, "auto=%s", ast_text(s->a, arg[0]->at.text, arg[0]));
@@ -197,8 +197,8 @@ static void checkpoint_setting(Sema *s, const Expr *e, TrainConfig *t) {
       return;
     }
     if (arg[0]->kind != E_SIZE || strtod(arg[0]->s, NULL) <= 0) {
-      error_at(s, arg[0]->at, "checkpoint budget must be a positive size such as 2GiB, or a fraction of the memory "
-               "such as 0.5");
+      sema_error(s, arg[0]->at, "checkpoint budget must be a positive size such as 2GiB, or a fraction of the memory "
+                 "such as 0.5");
       return;
     }
     t->checkpoint = arena_printf(s->a, "auto=%s", arg[0]->s);
@@ -233,16 +233,16 @@ static void schedule_setting(Sema *s, const Expr *e, TrainConfig *t) {
     const char *p = b->params[i];
     if (!arg[i])
       continue;
-    if (!strcmp(p, "warmup") && number(s, arg[i], p, R_NONNEG, true, &x))
+    if (!strcmp(p, "warmup") && sema_number(s, arg[i], p, R_NONNEG, true, &x))
       t->warmup = (int64_t)x;
-    else if (!strcmp(p, "min_lr") && number(s, arg[i], p, R_NONNEG, false, &x))
+    else if (!strcmp(p, "min_lr") && sema_number(s, arg[i], p, R_NONNEG, false, &x))
       t->min_lr = x;
-    else if (!strcmp(p, "steps") && number(s, arg[i], p, R_NONNEG, true, &x))
+    else if (!strcmp(p, "steps") && sema_number(s, arg[i], p, R_NONNEG, true, &x))
       t->steps = (int64_t)x;
-    else if (!strcmp(p, "decay") && number(s, arg[i], p, R_POSITIVE, false, &x)) {
+    else if (!strcmp(p, "decay") && sema_number(s, arg[i], p, R_POSITIVE, false, &x)) {
       if (x >= 1 && x != floor(x))
-        error_at(s, arg[i]->at, "decay must be a number of steps (an integer) or a fraction of the steps below 1, "
-                 "got %g", x);
+        sema_error(s, arg[i]->at, "decay must be a number of steps (an integer) or a fraction of the steps below 1, "
+                   "got %g", x);
       else
         t->decay = x;
     }
@@ -286,25 +286,25 @@ static void optimizer_setting(Sema *s, const Expr *e, TrainConfig *t) {
       continue;
     if (!strcmp(p, "nesterov")) {
       if (arg[i]->kind != E_BOOL)
-        error_at(s, arg[i]->at, "nesterov must be true or false, got %s", ast_text(s->a, s->p->text, arg[i]));
+        sema_error(s, arg[i]->at, "nesterov must be true or false, got %s", ast_text(s->a, s->p->text, arg[i]));
       else
         t->nesterov = arg[i]->i != 0;
       continue;
     }
     Range r = !strcmp(p, "lr") || !strcmp(p, "eps") || !strcmp(p, "adam_lr") ? R_POSITIVE
               : !strcmp(p, "weight_decay") ? R_NONNEG : R_UNIT;
-    if (!number(s, arg[i], p, r, false, &x))
+    if (!sema_number(s, arg[i], p, r, false, &x))
       continue;
     double *dst = !strcmp(p, "lr") ? &t->lr : !strcmp(p, "adam_lr") ? &t->adam_lr
                   : !strcmp(p, "beta1") ? &t->beta1 : !strcmp(p, "beta2") ? &t->beta2 : !strcmp(p, "eps") ? &t->eps
                   : !strcmp(p, "momentum") ? &t->momentum : &t->weight_decay;
     if (!strcmp(p, "adam_lr") && !(x > 0))
-      error_at(s, arg[i]->at, "adam_lr must be positive, got %g", x);
+      sema_error(s, arg[i]->at, "adam_lr must be positive, got %g", x);
     else
       *dst = x;
   }
   if (t->optimizer == OPT_SGD && t->nesterov && !(t->momentum > 0))
-    error_at(s, arg[2]->at, "nesterov needs a momentum above 0 (sgd(momentum=0.9, nesterov=true))");
+    sema_error(s, arg[2]->at, "nesterov needs a momentum above 0 (sgd(momentum=0.9, nesterov=true))");
 }
 
 // A list of name patterns (no_decay, freeze) into v; false after an error.
@@ -313,7 +313,7 @@ static bool patterns(Sema *s, const Expr *e, const char *setting, const char *ex
   for (int k = 0; ok && k < e->nargs; k++)
     ok = e->args[k]->kind == E_STRING;
   if (!ok) {
-    error_at(s, e->at, "%s must be a list of name patterns such as %s", setting, example);
+    sema_error(s, e->at, "%s must be a list of name patterns such as %s", setting, example);
     return false;
   }
   for (int k = 0; k < e->nargs; k++)
@@ -324,7 +324,7 @@ static bool patterns(Sema *s, const Expr *e, const char *setting, const char *ex
 // lr_scale = {"pattern": multiplier, ...}: each a positive number.
 static void lr_scale_setting(Sema *s, const Expr *e) {
   if (e->kind != E_DICT) {
-    error_at(s, e->at, "lr_scale must be a table of name patterns and multipliers such as {\"wte\": 0.1}");
+    sema_error(s, e->at, "lr_scale must be a table of name patterns and multipliers such as {\"wte\": 0.1}");
     return;
   }
   s->lr_scales = arena_alloc(s->a, sizeof(double) * (size_t)(e->nargs / 2 + 1));
@@ -332,18 +332,18 @@ static void lr_scale_setting(Sema *s, const Expr *e) {
     const Expr *key = e->args[k];
     double x;
     if (key->kind != E_STRING) {
-      error_at(s, key->at, "an lr_scale key must be a name pattern in quotes such as \"wte\", got %s",
-               ast_text(s->a, s->p->text, key));
+      sema_error(s, key->at, "an lr_scale key must be a name pattern in quotes such as \"wte\", got %s",
+                 ast_text(s->a, s->p->text, key));
       continue;
     }
-    if (!number(s, e->args[k + 1], "an lr_scale multiplier", R_POSITIVE, false, &x))
+    if (!sema_number(s, e->args[k + 1], "an lr_scale multiplier", R_POSITIVE, false, &x))
       continue;
     s->lr_scales[s->lr_scale.n] = x;
     vec_push(s->a, &s->lr_scale, (void *)key);
   }
 }
 
-void train_config(Sema *s) {
+void sema_train_config(Sema *s) {
   TrainConfig *t = &s->g->train;
   for (int i = 0; i < s->settings.n; i++) {
     const Setting *set = s->settings.v[i];
@@ -363,20 +363,20 @@ void train_config(Sema *s) {
     } else if (!strcmp(set->key, "no_decay")) {
       patterns(s, e, "no_decay", "[\"*_b\", \"ln*\"]", &s->no_decay, true);
     } else if (!strcmp(set->key, "clip")) {
-      if (number(s, e, "clip", R_NONNEG, false, &x))
+      if (sema_number(s, e, "clip", R_NONNEG, false, &x))
         t->clip = x;
     } else if (!strcmp(set->key, "accumulate")) {
-      if (!number(s, e, "accumulate", R_POSITIVE, true, &x))
+      if (!sema_number(s, e, "accumulate", R_POSITIVE, true, &x))
         continue;
       if (x > 1048576) // (as --accumulate and a checkpoint's mdl.accumulate)
-        error_at(s, e->at, "accumulate must be at most 1048576 micro-batches a step, got %g", x);
+        sema_error(s, e->at, "accumulate must be at most 1048576 micro-batches a step, got %g", x);
       else
         t->accumulate = (int64_t)x;
     } else if (!strcmp(set->key, "amax_history")) { // (fp8: the steps each tensor's scale looks back on)
-      if (!number(s, e, "amax_history", R_POSITIVE, true, &x))
+      if (!sema_number(s, e, "amax_history", R_POSITIVE, true, &x))
         continue;
       if (x > 1024)
-        error_at(s, e->at, "amax_history must be at most 1024 steps, got %g", x);
+        sema_error(s, e->at, "amax_history must be at most 1024 steps, got %g", x);
       else
         t->amax_history = (int64_t)x;
     } else if (!strcmp(set->key, "precision")) {
@@ -397,7 +397,7 @@ void train_config(Sema *s) {
 // (1 where none does). A no_decay, freeze or lr_scale pattern that matches no param is an error (a
 // misspelt name would otherwise leave the run quietly training what it meant to hold, or decaying
 // what it meant to spare).
-void set_decay(Sema *s) {
+void sema_set_decay(Sema *s) {
   Graph *g = s->g;
   for (int i = 0; i < g->nparams; i++) {
     IrNode *p = node(s, g->params[i]);
@@ -420,14 +420,14 @@ void set_decay(Sema *s) {
       for (int i = 0; i < g->nparams && !hit; i++)
         hit = fnmatch(pat->s, node(s, g->params[i])->name, 0) == 0;
       if (!hit)
-        error_at(s, pat->at, "%s pattern \"%s\" matches no param", what[w], pat->s);
+        sema_error(s, pat->at, "%s pattern \"%s\" matches no param", what[w], pat->s);
     }
   }
   int frozen = 0;
   for (int i = 0; i < g->nparams; i++)
     frozen += node(s, g->params[i])->init.frozen;
   if (s->freeze.n && frozen == g->nparams)
-    error_at(s, ((const Expr *)s->freeze.v[0])->at, "freeze leaves no param to train: all %d are frozen", frozen);
+    sema_error(s, ((const Expr *)s->freeze.v[0])->at, "freeze leaves no param to train: all %d are frozen", frozen);
 }
 
 // A param read by the MATMUL that makes a cross-entropy's logits (through layout, casts and
@@ -462,10 +462,10 @@ static void mark_heads(Sema *s, bool *head) {
 // neither an embedding table (read by embed) nor the LM head (mark_heads); with muon_params, the 2-D
 // params its patterns match (one matching no param, or a param that is not 2-D, is an error). The
 // rest, and every frozen param, take AdamW.
-void set_muon(Sema *s) {
+void sema_set_muon(Sema *s) {
   Graph *g = s->g;
   if (s->muon_params_at.line && g->train.optimizer != OPT_MUON) {
-    error_at(s, s->muon_params_at, "muon_params says which params Muon updates: it needs optimizer = muon");
+    sema_error(s, s->muon_params_at, "muon_params says which params Muon updates: it needs optimizer = muon");
     return;
   }
   if (g->train.optimizer != OPT_MUON)
@@ -485,8 +485,8 @@ void set_muon(Sema *s) {
         if (fnmatch(pat->s, p->name, 0) != 0)
           continue;
         if (p->shape.rank != 2)
-          error_at(s, pat->at, "muon_params pattern \"%s\" matches '%s' of shape %s: Muon updates matrices (2-D) "
-                   "only", pat->s, p->name, shape_text(s, p->shape));
+          sema_error(s, pat->at, "muon_params pattern \"%s\" matches '%s' of shape %s: Muon updates matrices (2-D) "
+                     "only", pat->s, p->name, sema_shape_text(s, p->shape));
         pick = true;
       }
     }
@@ -498,6 +498,6 @@ void set_muon(Sema *s) {
     for (int i = 0; i < g->nparams && !hit; i++)
       hit = fnmatch(pat->s, node(s, g->params[i])->name, 0) == 0;
     if (!hit)
-      error_at(s, pat->at, "muon_params pattern \"%s\" matches no param", pat->s);
+      sema_error(s, pat->at, "muon_params pattern \"%s\" matches no param", pat->s);
   }
 }
