@@ -462,7 +462,7 @@ int32_t interp_i32(Op op, int32_t a, int32_t b);
 int32_t interp_to_i32(double x);
 
 //
-// front end (grammar/mdl.l, grammar/mdl.y, compiler/front/sema.c): .mdl text to the forward graph.
+// front end (grammar/mdl.l, grammar/mdl.y, compiler/front/sema*.c): .mdl text to the forward graph.
 //
 typedef struct {
   const char *name;
@@ -599,6 +599,8 @@ const char *st_meta(const StFile *f, const char *key); // NULL when absent
 //
 // fuse.c: the fusion pass. Groups the training graph's nodes into steps (the rules are written
 // at the top of fuse.c); every rejected pair gets a reason ("not fused: A with B: reason").
+// (fuse_groups.c: what may fuse, step_kind_name; fuse_plan.c: the step plan, fuse_is_copy,
+// fuse_node_flops, fuse_dump.)
 //
 typedef enum {
   STEP_KERNEL,    // one fused loop nest: elementwise chains, reductions, row-wise ops, gathers

@@ -1,6 +1,6 @@
 // front.h: the front end's private declarations: source spans, the AST the parser builds, and
 // the glue between the flex scanner (grammar/mdl.l), the bison parser (grammar/mdl.y) and
-// semantic analysis (compiler/front/sema.c). Public entry points live in mdl.h ("front end").
+// semantic analysis (compiler/front/sema*.c). Public entry points live in mdl.h ("front end").
 #ifndef MDL_FRONT_H
 #define MDL_FRONT_H
 
@@ -128,7 +128,8 @@ enum { FRONT_MAX_NESTING = 256 };
 bool parse_text(Parser *p);
 
 //
-// sema.c: names, dims, the train section and the graph.
+// sema.c: the front end's steps, over names, dims, the train section and the graph (sema_impl.h
+// says which file does what).
 //
 Graph *sema_build(Parser *p, const DimOverride *ov, int nov, const LowerOptions *lo);
 

@@ -112,8 +112,8 @@ for f in build/mdl.tab.c build/lex.yy.c; do
 done
 
 bin=build/fuzz/fuzz_front
-srcs=(tests/fuzz/fuzz_front.c compiler/base/arena.c compiler/front/ast.c compiler/base/diag.c compiler/passes/ir.c compiler/base/types.c compiler/front/sema.c
-  compiler/base/readfile.c compiler/base/scalar.c build/mdl.tab.c build/lex.yy.c)
+srcs=(tests/fuzz/fuzz_front.c compiler/base/arena.c compiler/front/ast.c compiler/base/diag.c compiler/passes/ir.c compiler/base/types.c
+  compiler/front/sema*.c compiler/base/readfile.c compiler/base/scalar.c build/mdl.tab.c build/lex.yy.c)
 # Built again only when a source, a header or this script (its flags) is newer than the target: the
 # sanitized build costs more than a minute of a loaded machine's time.
 stale=$([ -x "$bin" ] || echo yes)
