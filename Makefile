@@ -10,9 +10,11 @@ PREFIX  ?= /usr/local
 
 LIB_SRC   := $(filter-out compiler/driver/main.c,$(wildcard $(addsuffix /*.c,$(SRC_DIRS:/=))))
 LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o build/preludes.o
-PRELUDES  := ec_prelude_c=runtime/kernels/prelude.h ec_prelude_c_bf16=runtime/kernels/prelude_bf16.h \
-             ec_prelude_fp8=runtime/kernels/prelude_fp8.h ec_prelude_c_fp8=runtime/kernels/prelude_c_fp8.h \
-             ec_prelude_cuda=runtime/kernels/prelude.cuh
+# each prelude of the emitted modules: its pieces in runtime/kernels/, in order (tools/embed.c)
+KERNELS   := runtime/kernels
+PRELUDES  := ec_prelude_c=$(KERNELS)/prelude_libc.h+$(KERNELS)/abi.h+$(KERNELS)/prelude.h \
+             ec_prelude_c_bf16=$(KERNELS)/prelude_bf16.h ec_prelude_fp8=$(KERNELS)/prelude_fp8.h \
+             ec_prelude_c_fp8=$(KERNELS)/prelude_c_fp8.h ec_prelude_cuda=$(KERNELS)/prelude.cuh
 UNIT_SRC  := $(wildcard tests/unit/test_*.c)
 UNIT_BIN  := $(patsubst tests/unit/%.c,build/tests/%,$(UNIT_SRC))
 HEADERS   := $(wildcard $(addsuffix /*.h,$(SRC_DIRS:/=)))
@@ -49,8 +51,7 @@ build/tools/embed: tools/embed.c
 	@mkdir -p build/tools
 	$(CC) $(CFLAGS) -o $@ $<
 
-build/preludes.c: build/tools/embed runtime/kernels/prelude.h runtime/kernels/prelude_bf16.h runtime/kernels/prelude_fp8.h \
-                  runtime/kernels/prelude_c_fp8.h runtime/kernels/prelude.cuh
+build/preludes.c: build/tools/embed $(wildcard $(KERNELS)/*.h $(KERNELS)/*.cuh)
 	build/tools/embed $@ $(PRELUDES)
 
 build/preludes.o: build/preludes.c

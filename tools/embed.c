@@ -1,15 +1,17 @@
-// embed: turns files into C arrays, so that mdlc carries the preludes in runtime/ (the first lines of
-// every emitted module) as the text they are in their files. The Makefile runs it into build/.
+// embed: turns files into C arrays, so that mdlc carries the preludes in runtime/kernels/ (the first
+// lines of every emitted module) as the text they are in their files. The Makefile runs it into build/.
 //
-//   embed OUT.c NAME=FILE...
+//   embed OUT.c NAME=FILE[+FILE...]...
 //
-// writes, for each NAME=FILE, `const char NAME[] = {...};`: FILE's bytes and a terminating NUL.
+// writes, for each NAME=FILE+FILE..., `const char NAME[] = {...};`: the files' bytes one after the
+// other and a terminating NUL. A prelude is so assembled from pieces that are headers of their own
+// (the module ABI, which the runtime includes too; a CUDA kernel family), cut at line boundaries.
 #include <stdio.h>
 #include <string.h>
 
 int main(int argc, char **argv) {
   if (argc < 2) {
-    fprintf(stderr, "usage: embed OUT.c NAME=FILE...\n");
+    fprintf(stderr, "usage: embed OUT.c NAME=FILE[+FILE...]...\n");
     return 2;
   }
   FILE *out = fopen(argv[1], "w");
@@ -21,25 +23,27 @@ int main(int argc, char **argv) {
   for (int i = 2; i < argc; i++) {
     char *eq = strchr(argv[i], '=');
     if (!eq) {
-      fprintf(stderr, "embed: %s: not NAME=FILE\n", argv[i]);
+      fprintf(stderr, "embed: %s: not NAME=FILE[+FILE...]\n", argv[i]);
       return 2;
     }
     *eq = '\0';
-    FILE *in = fopen(eq + 1, "rb");
-    if (!in) {
-      perror(eq + 1);
-      return 1;
-    }
     fprintf(out, "\n// %s\nconst char %s[] = {", eq + 1, argv[i]);
-    int c;
-    for (long n = 0; (c = getc(in)) != EOF; n++)
-      fprintf(out, "%s0x%02x,", n % 16 ? " " : "\n  ", (unsigned)c);
-    fprintf(out, "\n  0};\n");
-    if (ferror(in)) {
-      perror(eq + 1);
-      return 1;
+    long n = 0;
+    for (char *path = strtok(eq + 1, "+"); path; path = strtok(NULL, "+")) {
+      FILE *in = fopen(path, "rb");
+      if (!in) {
+        perror(path);
+        return 1;
+      }
+      for (int c; (c = getc(in)) != EOF; n++)
+        fprintf(out, "%s0x%02x,", n % 16 ? " " : "\n  ", (unsigned)c);
+      if (ferror(in)) {
+        perror(path);
+        return 1;
+      }
+      fclose(in);
     }
-    fclose(in);
+    fprintf(out, "\n  0};\n");
   }
   if (fclose(out) != 0) {
     perror(argv[1]);
