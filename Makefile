@@ -10,11 +10,13 @@ PREFIX  ?= /usr/local
 
 LIB_SRC   := $(filter-out compiler/driver/main.c,$(wildcard $(addsuffix /*.c,$(SRC_DIRS:/=))))
 LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o build/preludes.o
-# each prelude of the emitted modules: its pieces in runtime/kernels/, in order (tools/embed.c)
-KERNELS   := runtime/kernels
-PRELUDES  := ec_prelude_c=$(KERNELS)/prelude_libc.h+$(KERNELS)/abi.h+$(KERNELS)/prelude.h \
-             ec_prelude_c_bf16=$(KERNELS)/prelude_bf16.h ec_prelude_fp8=$(KERNELS)/prelude_fp8.h \
-             ec_prelude_c_fp8=$(KERNELS)/prelude_c_fp8.h ec_prelude_cuda=$(KERNELS)/prelude.cuh
+# each prelude of the emitted modules: its pieces in runtime/kernels/, in order (tools/embed.c); the
+# CUDA one by kernel family: types, the kernels' arguments, common
+# helpers, tensor cores, fp8, reductions, attention, cross-entropy, the optimizer
+K         := runtime/kernels
+PRELUDES  := ec_prelude_c=$(K)/prelude_libc.h+$(K)/abi.h+$(K)/prelude.h ec_prelude_c_bf16=$(K)/prelude_bf16.h \
+             ec_prelude_fp8=$(K)/prelude_fp8.h ec_prelude_c_fp8=$(K)/prelude_c_fp8.h \
+             ec_prelude_cuda=$(K)/cuda_base.cuh+$(K)/cuda_args.h+$(K)/cuda_common.cuh+$(K)/cuda_mma.cuh+$(K)/cuda_fp8.cuh+$(K)/cuda_reduce.cuh+$(K)/cuda_attention.cuh+$(K)/cuda_ce.cuh+$(K)/cuda_opt.cuh
 UNIT_SRC  := $(wildcard tests/unit/test_*.c)
 UNIT_BIN  := $(patsubst tests/unit/%.c,build/tests/%,$(UNIT_SRC))
 HEADERS   := $(wildcard $(addsuffix /*.h,$(SRC_DIRS:/=)))
@@ -51,7 +53,7 @@ build/tools/embed: tools/embed.c
 	@mkdir -p build/tools
 	$(CC) $(CFLAGS) -o $@ $<
 
-build/preludes.c: build/tools/embed $(wildcard $(KERNELS)/*.h $(KERNELS)/*.cuh)
+build/preludes.c: build/tools/embed Makefile $(wildcard $(K)/*.h $(K)/*.cuh)
 	build/tools/embed $@ $(PRELUDES)
 
 build/preludes.o: build/preludes.c
