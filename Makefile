@@ -11,7 +11,7 @@ PREFIX  ?= /usr/local
 LIB_SRC   := $(filter-out compiler/driver/main.c,$(wildcard $(addsuffix /*.c,$(SRC_DIRS:/=))))
 LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o build/preludes.o
 # each prelude of the emitted modules: its pieces in runtime/kernels/, in order (tools/embed.c); the
-# CUDA one by kernel family: types, the kernels' arguments, common
+# CUDA one by kernel family: types, the kernels' arguments (emit_cuda.h includes them too), common
 # helpers, tensor cores, fp8, reductions, attention, cross-entropy, the optimizer
 K         := runtime/kernels
 PRELUDES  := ec_prelude_c=$(K)/prelude_libc.h+$(K)/abi.h+$(K)/prelude.h ec_prelude_c_bf16=$(K)/prelude_bf16.h \
