@@ -10,9 +10,15 @@ PREFIX  ?= /usr/local
 
 LIB_SRC   := $(filter-out compiler/driver/main.c,$(wildcard $(addsuffix /*.c,$(SRC_DIRS:/=))))
 LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o build/preludes.o
-PRELUDES  := ec_prelude_c=runtime/kernels/prelude.h ec_prelude_c_bf16=runtime/kernels/prelude_bf16.h \
-             ec_prelude_fp8=runtime/kernels/prelude_fp8.h ec_prelude_c_fp8=runtime/kernels/prelude_c_fp8.h \
-             ec_prelude_cuda=runtime/kernels/prelude.cuh
+# each prelude of the emitted modules: its pieces in runtime/kernels/, joined by + in order (tools/embed.c);
+# the CUDA one by kernel family: types, the kernels' arguments (emit_cuda.h includes them too), common
+# helpers, tensor cores, fp8, reductions, attention, cross-entropy, the optimizer
+K         := runtime/kernels
+CUDA_PIECES := cuda_base.cuh cuda_args.h cuda_common.cuh cuda_mma.cuh cuda_fp8.cuh cuda_reduce.cuh \
+               cuda_attention.cuh cuda_ce.cuh cuda_opt.cuh
+PRELUDES  := ec_prelude_c=$(K)/prelude_libc.h+$(K)/abi.h+$(K)/prelude.h ec_prelude_c_bf16=$(K)/prelude_bf16.h \
+             ec_prelude_fp8=$(K)/prelude_fp8.h ec_prelude_c_fp8=$(K)/prelude_c_fp8.h \
+             ec_prelude_cuda=$(subst $() ,+,$(addprefix $(K)/,$(CUDA_PIECES)))
 UNIT_SRC  := $(wildcard tests/unit/test_*.c)
 UNIT_BIN  := $(patsubst tests/unit/%.c,build/tests/%,$(UNIT_SRC))
 HEADERS   := $(wildcard $(addsuffix /*.h,$(SRC_DIRS:/=)))
@@ -49,8 +55,7 @@ build/tools/embed: tools/embed.c
 	@mkdir -p build/tools
 	$(CC) $(CFLAGS) -o $@ $<
 
-build/preludes.c: build/tools/embed runtime/kernels/prelude.h runtime/kernels/prelude_bf16.h runtime/kernels/prelude_fp8.h \
-                  runtime/kernels/prelude_c_fp8.h runtime/kernels/prelude.cuh
+build/preludes.c: build/tools/embed Makefile $(wildcard $(K)/*.h $(K)/*.cuh)
 	build/tools/embed $@ $(PRELUDES)
 
 build/preludes.o: build/preludes.c

@@ -22,13 +22,11 @@
 #define MDL_EMIT_CUDA_H
 #include "mdl.h"
 
-enum { CUDA_MAX_ARGS = 48 }; // MdlArgs.b: the most buffers one kernel addresses
+// The kernels' status and offsets arguments (MdlStatus: set is 0 until a kernel reports; MdlArgs),
+// the text the CUDA prelude carries.
+#include "cuda_args.h"
 
-// The layout of the kernels' status argument (the generated prelude declares the same struct).
-typedef struct {
-  unsigned long long set; // 0 until a kernel reports
-  long long code, value, limit;
-} MdlStatus;
+enum { CUDA_MAX_ARGS = sizeof(MdlArgs) / sizeof(int64_t) }; // MdlArgs.b: the most buffers one kernel addresses
 
 enum { CUDA_ERR_NONE, CUDA_ERR_EMBED_ID, CUDA_ERR_TARGET };
 

@@ -1,9 +1,13 @@
-// test_prelude: each prelude of the emitted modules (runtime/kernels/prelude.h, prelude_bf16.h, prelude.cuh) compiles
-// on its own, as mdlc embeds it, so that an error in one shows here without a model: the C ones with
-// cc -fsyntax-only and the warnings the C back end's tests ask for, the CUDA one with NVRTC for sm_80 and sm_90
-// without a warning. So do the kernel templates of prelude.cuh, instantiated as the emitter instantiates
-// them at shapes that cover their parameters (template_instances): with NVRTC, and as C++ with the CUDA
-// emulator (tests/unit/cuda_emu.h) as the emulated modules are compiled.
+// test_prelude: each prelude of the emitted modules compiles on its own, as mdlc embeds it (the
+// concatenation of its pieces in runtime/kernels/: prelude_libc.h, abi.h and prelude.h for C, then
+// prelude_bf16.h; cuda_*.cuh and cuda_args.h for CUDA), so that an error in one shows here without a
+// model: the C ones with cc -fsyntax-only and the warnings the C back end's tests ask for, the CUDA
+// one with NVRTC for sm_80 and sm_90 without a warning. So do the pieces as the headers they also
+// are: the C ones included one after the other, the runtime's headers that include the module ABI
+// (backend.h: abi.h; emit_cuda.h: cuda_args.h), and the CUDA ones included in order with the CUDA
+// emulator. So do the kernel templates of the CUDA prelude, instantiated as the emitter instantiates
+// them at shapes that cover their parameters (template_instances): with NVRTC, and as C++ with the
+// CUDA emulator (tests/unit/cuda_emu.h) as the emulated modules are compiled.
 #include "emit_common.h"
 #include "emit_cuda.h"
 #include "test.h"
@@ -40,6 +44,42 @@ static bool compiles_clean(const char *cc, const char *src, char *why, size_t n)
 static bool c_compiles_clean(const char *src, char *why, size_t n) {
   return compiles_clean("cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror -x c %s", src, why, n);
 }
+
+// The files that `includes` (lines `#include "NAME"`) names in runtime/kernels/, one after the other
+// (NULL when one cannot be read): what the embedding concatenates, if the order is the Makefile's.
+static char *pieces_text(const char *includes) {
+  size_t len = 0, cap = 1 << 18;
+  char *s = malloc(cap);
+  for (const char *p = strchr(includes, '"'); p; p = strchr(strchr(p + 1, '"') + 1, '"')) {
+    char path[256];
+    snprintf(path, sizeof path, "runtime/kernels/%.*s", (int)(strchr(p + 1, '"') - p - 1), p + 1);
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+      free(s);
+      return NULL;
+    }
+    len += fread(s + len, 1, cap - 1 - len, f);
+    fclose(f);
+  }
+  s[len] = '\0';
+  return s;
+}
+
+// The pieces of the preludes included as headers (-Iruntime/kernels), the C ones in the order of the
+// Makefile's PRELUDES, with the module's warnings; and the runtime's headers that include the ABI's
+// pieces, as the runtime is compiled (the project's include folders, -D_GNU_SOURCE).
+static const char c_pieces[] = "#include \"prelude_libc.h\"\n#include \"abi.h\"\n#include \"prelude.h\"\n"
+                               "#include \"prelude_bf16.h\"\n"
+                               "#include \"prelude_fp8.h\"\n#include \"prelude_c_fp8.h\"\n";
+static const char runtime_abi[] = "#include \"mdl.h\"\n#include \"backend.h\"\n#include \"emit_cuda.h\"\n"
+                                  "_Static_assert(sizeof(MdlArgs) == CUDA_MAX_ARGS * sizeof(int64_t), \"b\");\n"
+                                  "int main(void) { MdlHooks h = {0}; MdlKernel k = {0}; MdlStatus s = {0};\n"
+                                  "  return (int)(h.nthreads + (k.fn != 0) + s.code); }\n";
+static const char cuda_pieces[] = "#include \"cuda_base.cuh\"\n#include \"cuda_args.h\"\n"
+                                  "#include \"cuda_common.cuh\"\n#include \"cuda_mma.cuh\"\n"
+                                  "#include \"cuda_fp8.cuh\"\n#include \"cuda_reduce.cuh\"\n"
+                                  "#include \"cuda_attention.cuh\"\n#include \"cuda_ce.cuh\"\n"
+                                  "#include \"cuda_opt.cuh\"\n";
 
 // The prelude and kernels that instantiate its templates as the emitters do, one kernel each: attention
 // (mdl_att_fwd, mdl_att_dq, mdl_att_dkv) at heads of 64 (two tile buffers) and 128 (one), 4 and 8
@@ -165,7 +205,8 @@ static char *template_instances(void) {
 
 int main(void) {
   char why[1024];
-  CHECK(c_compiles_clean(ec_prelude_c, why, sizeof why), "prelude: runtime/kernels/prelude.h compiles as C11 without a warning",
+  CHECK(c_compiles_clean(ec_prelude_c, why, sizeof why),
+        "prelude: the C prelude (runtime/kernels/prelude_libc.h, abi.h, prelude.h) compiles as C11 without a warning",
         "%s", why);
   size_t n = strlen(ec_prelude_c), nb = strlen(ec_prelude_c_bf16);
   char *both = malloc(n + nb + 1);
@@ -174,6 +215,25 @@ int main(void) {
   CHECK(c_compiles_clean(both, why, sizeof why),
         "prelude: runtime/kernels/prelude_bf16.h after prelude.h compiles as C11 without a warning", "%s", why);
   free(both);
+  char *c_text = pieces_text(c_pieces), *cuda_text = pieces_text(cuda_pieces);
+  size_t nc = strlen(ec_prelude_c), nc16 = strlen(ec_prelude_c_bf16), nf8 = strlen(ec_prelude_fp8);
+  CHECK(c_text && !strncmp(c_text, ec_prelude_c, nc) && !strncmp(c_text + nc, ec_prelude_c_bf16, nc16) &&
+            !strncmp(c_text + nc + nc16, ec_prelude_fp8, nf8) &&
+            !strcmp(c_text + nc + nc16 + nf8, ec_prelude_c_fp8),
+        "prelude: the C preludes are their pieces in runtime/kernels/ one after the other (c_pieces)", "%s",
+        c_text ? "the text differs" : "a piece cannot be read");
+  CHECK(cuda_text && !strcmp(cuda_text, ec_prelude_cuda),
+        "prelude: the CUDA prelude is its pieces in runtime/kernels/ one after the other (cuda_pieces)", "%s",
+        cuda_text ? "the text differs" : "a piece cannot be read");
+  free(c_text);
+  free(cuda_text);
+  CHECK(compiles_clean("cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror -Iruntime/kernels -x c %s", c_pieces,
+                       why, sizeof why),
+        "prelude: the C prelude's pieces and the bf16 and fp8 ones compile as headers, in order, without a warning",
+        "%s", why);
+  CHECK(compiles_clean("cc -std=c11 -D_GNU_SOURCE -fsyntax-only -Wall -Wextra -Werror -Icompiler -Icompiler/emit "
+                       "-Iruntime/engine -Iruntime/kernels -x c %s", runtime_abi, why, sizeof why),
+        "prelude: the runtime's backend.h (with abi.h) and emit_cuda.h (with cuda_args.h) compile as C11", "%s", why);
 
   char *att = template_instances();
   if (system("g++ --version >/dev/null 2>&1") == 0)
@@ -182,9 +242,14 @@ int main(void) {
           "prelude: the kernel templates compile as C++ with the CUDA emulator without a warning", "%s", why);
   else
     printf("[skip] prelude: the kernel templates with the CUDA emulator: no g++\n");
+  if (system("g++ --version >/dev/null 2>&1") == 0)
+    CHECK(compiles_clean("g++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Wno-unknown-pragmas "
+                         "-Wno-unused-parameter -Itests/unit -Iruntime/kernels -include cuda_emu.h -x c++ %s",
+                         cuda_pieces, why, sizeof why),
+          "prelude: the CUDA prelude's pieces compile as headers, in order, with the CUDA emulator", "%s", why);
 
   if (!nvrtc_available(why, sizeof why)) {
-    printf("[skip] prelude: runtime/kernels/prelude.cuh with NVRTC: %s\n", why);
+    printf("[skip] prelude: the CUDA prelude with NVRTC: %s\n", why);
     free(att);
     TEST_EXIT();
   }
@@ -195,7 +260,7 @@ int main(void) {
       bool ok = nvrtc_compile(t ? att : ec_prelude_cuda, archs[i], &r, why, sizeof why);
       char name[160];
       snprintf(name, sizeof name, "prelude: %s with NVRTC for %s without a warning",
-               t ? "the kernel templates, instantiated, compile" : "runtime/kernels/prelude.cuh compiles", archs[i]);
+               t ? "the kernel templates, instantiated, compile" : "the CUDA prelude compiles", archs[i]);
       CHECK(ok && !r.log, name, "%.600s", ok ? r.log : why);
       free(r.cubin);
       free(r.log);

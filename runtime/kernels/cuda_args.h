@@ -1,0 +1,11 @@
+// The kernels' arguments (runtime/emit_cuda.h holds the same layouts): the status a bad id or
+// target is reported in, and the byte offsets of the buffers a kernel uses.
+typedef struct {
+  unsigned long long set;
+  long long code, value, limit;
+} MdlStatus;
+
+typedef struct {
+  int64_t b[48];
+} MdlArgs;
+
