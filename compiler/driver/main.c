@@ -1,7 +1,9 @@
-// main.c: the mdlc command line. Each verb runs the pipeline as far as it needs:
-//   parse + check (front end) -> autodiff + AdamW -> fuse -> plan memory -> emit C -> cc + dlopen
-// (or the reference interpreter instead of the last three), and `-d LETTERS` prints the IR after
-// the passes it names (P: parse, A: autodiff, R: precision, F: fusion, M: memory plan).
+// main.c: the mdlc command line. The driver decides what depends on the machine (the back end, what
+// `auto` precision is, the memory a checkpoint budget is measured against, the GPU's compute
+// capability), then each verb runs the pipeline (compiler/pipeline.c) as far as it needs and hands
+// what it compiled to an engine: the reference interpreter, the C module (cc + dlopen) or the CUDA
+// plan. `-d LETTERS` prints the IR after the passes it names (P: parse, A: autodiff, R: precision,
+// C: checkpoints, F: fusion, M: memory plan).
 #include "backend.h"
 #include "cuda.h"
 #include "data.h"
@@ -433,62 +435,6 @@ static const char *auto_precision(const Options *o, const char **why) {
   return chosen;
 }
 
-// The GEMM precision: --precision, else the train section's (`auto` resolved); an error where this
-// build cannot run it.
-static bool gemm_precision(const Options *o, Graph *g, DType *dt) {
-  if (o->precision)
-    g->train.precision = o->precision;
-  if (!strcmp(g->train.precision, "auto")) {
-    g->train.precision = auto_precision(o, NULL);
-    g->train.precision_auto = true;
-  }
-  if (!precision_parse(g->train.precision, dt))
-    return false; // (sema and the options accept no other name)
-  if (*dt != DT_F8E4M3)
-    return true;
-  // fp8 runs on the CPU (emulated: the interpreter and the C back end) and on GPUs with FP8 tensor cores.
-  bool emits = strcmp(o->verb, "check") && strcmp(o->verb, "sample");
-  bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad") || !strcmp(o->verb, "eval");
-  const char *msg = NULL;
-  CudaDevice d;
-  char why[256];
-  if (executes && !strcmp(backend_of(o), "cuda") && cuda_device(&d, why, sizeof why) &&
-      cuda_compute_capability(&d) < 89)
-    msg = arena_printf(g->arena, "precision = fp8: the GPU %s has compute capability %d.%d, and FP8 GEMMs need 8.9 or "
-                       "later (Ada, Hopper and newer); use bf16", d.name, cuda_compute_capability(&d) / 10,
-                       cuda_compute_capability(&d) % 10);
-  if (!msg) {
-    static bool said;
-    if (emits && !said && !o->quiet && !(executes && !strcmp(backend_of(o), "cuda")))
-      fprintf(stderr, "mdlc: fp8 is emulated on the CPU (every fp8 value rounded in software, the GEMMs in f32), "
-                      "slower than bf16 there and far slower than a GPU's fp8 GEMMs\n");
-    said = true;
-    return true;
-  }
-  if (g->train.precision_at.line > 0 && !o->precision)
-    diag_error(g->train.precision_at, "%s", msg);
-  else
-    diag_file_error(o->file, "%s", msg);
-  return false;
-}
-
-// The precision pass on a graph with its backward. A side engine (validation) runs the bf16 forward
-// under fp8: the fp8 scales are the training step's state. The micro-batches' engine of gradient
-// accumulation is no side engine here: its passes cast to fp8 with the step's scales (train.c).
-static bool apply_precision(const Options *o, Graph *g, bool side) {
-  DType dt;
-  if (!gemm_precision(o, g, &dt))
-    return false;
-  if (side && dt == DT_F8E4M3)
-    dt = DT_BF16;
-  char why[512];
-  if (!precision_assign(g, dt, why, sizeof why)) {
-    fprintf(stderr, "%s: internal error: the precision pass built a broken graph: %s\n", o->file, why);
-    return false;
-  }
-  return true;
-}
-
 // The memory a checkpoint budget is measured against: the device's free memory on a GPU, else the
 // host's available memory; -1 when unknown. `what` says which.
 static int64_t memory_there(const Options *o, const char **what) {
@@ -513,112 +459,44 @@ static int64_t memory_there(const Options *o, const char **what) {
   return bytes;
 }
 
-// The checkpoint pass on a training graph: --checkpoint, else the train section's, else auto; auto's
-// budget, where none is given, is the memory there is (memory_there). With dumping C, every saved
-// value, kept or recomputed.
-static bool apply_checkpoint(const Options *o, Graph *g) {
-  const char *spec = o->checkpoint ? o->checkpoint : g->train.checkpoint ? g->train.checkpoint : "auto";
-  const char *policy = spec, *how = NULL, *what = "";
-  int64_t budget = 0;
-  if (!strncmp(spec, "auto", 4)) {
-    policy = "auto";
-    int64_t mem = memory_there(o, &what);
-    if (spec[4] == '=') {
-      bool fraction;
-      budget = checkpoint_budget(spec + 5, mem, &fraction);
-      how = fraction ? arena_printf(g->arena, "%s of the %.2f GB %s", spec + 5, (double)mem / 1e9, what)
-                     : arena_strdup(g->arena, spec + 5);
-    } else if (mem > 0) {
-      budget = mem;
-      how = arena_printf(g->arena, "the %.2f GB %s", (double)mem / 1e9, what);
-    }
+// The pipeline's options for o: the model, the passes asked for, and what depends on the machine,
+// decided here before the pipeline runs: what `auto` precision is, the memory auto's checkpoint
+// budget is measured against (where the command line leaves the policy open), and the GPU a step runs
+// on with its compute capability.
+static PipelineOptions pipeline_options(const Options *o, GraphKind kind, Target target) {
+  PipelineOptions po = {.file = o->file, .text = o->text, .dims = o->dims, .ndims = o->ndims, .lower = &o->lower,
+                        .accumulate = o->accumulate, .kind = kind, .precision = o->precision,
+                        .checkpoint = o->checkpoint, .memory = -1, .fuse = o->fuse, .reuse = o->reuse,
+                        .dump = o->dump, .target = target};
+  // The C module and build's files name the .mdl file; the CUDA engine's module its model (as the
+  // cubins in the cache were compiled).
+  po.module_name = target == TARGET_CUDA ? NULL : o->file;
+  if (!o->precision || !strcmp(o->precision, "auto"))
+    po.auto_precision = auto_precision(o, NULL);
+  bool emits = strcmp(o->verb, "check") && strcmp(o->verb, "sample");
+  bool executes = !strcmp(o->verb, "run") || !strcmp(o->verb, "grad") || !strcmp(o->verb, "eval");
+  bool cuda = executes && !strcmp(backend_of(o), "cuda");
+  static CudaDevice d;
+  static int found; // 0: not asked, 1: there, -1: not
+  char why[256];
+  if (cuda && !found)
+    found = cuda_device(&d, why, sizeof why) ? 1 : -1;
+  if (cuda && found > 0) {
+    po.gpu = d.name;
+    po.compute_capability = cuda_compute_capability(&d);
   }
-  char why[600];
-  g->ckpt.policy = NULL;
-  if (budget >= 0 && checkpoint_place(g, policy, budget, how, spec[4] != '=', o->fuse, o->reuse,
-                                      dumping(o, 'C') ? stdout : NULL, why, sizeof why))
-    return true;
-  const CheckpointPlan *cp = &g->ckpt;
-  char msg[1400];
-  if (budget < 0) {
-    snprintf(msg, sizeof msg, "the budget is a fraction of the memory, which this machine does not say");
-  } else if (!cp->policy) {
-    fprintf(stderr, "%s: internal error: %s\n", o->file, why);
-    return false;
-  } else if (spec[4] != '=') { // the memory there is: the model does not fit
-    diag_file_error(o->file, "%s does not fit in memory: its step needs %.2f GB recomputing every layer (%.2f GB "
-                    "keeping every activation), this machine has %.2f GB %s; %s", g->model ? g->model : "the model",
-                    (double)cp->peak / 1e9, (double)cp->peak_none / 1e9, (double)budget / 1e9, what, why);
-    return false;
-  } else {
-    snprintf(msg, sizeof msg, "a budget of %.2f MB cannot be met: recomputing every layer (checkpoint = all) the "
-             "step still plans %.2f MB (none: %.2f MB), the smallest budget there is; %s", (double)budget / 1e6,
-             (double)cp->peak / 1e6, (double)cp->peak_none / 1e6, why);
-  }
-  if (!o->checkpoint && g->train.checkpoint_at.line > 0)
-    diag_error(g->train.checkpoint_at, "checkpoint = %s: %s", spec, msg);
-  else
-    diag_file_error(o->file, "--checkpoint %s: %s", spec, msg);
-  return false;
+  po.fp8_emulated_note = emits && !o->quiet && !cuda;
+  if ((kind == GRAPH_GRADS || kind == GRAPH_TRAIN) && (!o->checkpoint || !strncmp(o->checkpoint, "auto", 4)))
+    po.memory = memory_there(o, &po.memory_what);
+  return po;
 }
 
-// Front end, then autodiff (+ optimizer) when `train` is set; validates after each pass.
-static Graph *compile(Arena *a, const Options *o, bool grads, bool optimizer) {
-  Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &o->lower);
-  if (!g)
-    return NULL;
-  if (o->accumulate > 0)
-    g->train.accumulate = o->accumulate;
-  char why[512];
-  if (!ir_validate(g, why, sizeof why)) {
-    fprintf(stderr, "%s: internal error: the front end built a broken graph: %s\n", o->file, why);
-    return NULL;
-  }
-  if (dumping(o, 'P'))
-    ir_dump(g, stdout);
-  DType dt;
-  if (!gemm_precision(o, g, &dt))
-    return NULL;
-  if (!grads)
-    return g;
-  if (g->loss < 0) {
-    diag_file_error(o->file, "no 'output loss = ...': nothing to train");
-    return NULL;
-  }
-  if (!autodiff(g, optimizer)) {
-    diag_file_error(o->file, "autodiff: %s", g->err);
-    return NULL;
-  }
-  if (!ir_validate(g, why, sizeof why)) {
-    fprintf(stderr, "%s: internal error: autodiff built a broken graph: %s\n", o->file, why);
-    return NULL;
-  }
-  if (dumping(o, 'A'))
-    ir_dump(g, stdout);
-  if (!apply_precision(o, g, false))
-    return NULL;
-  if (dumping(o, 'R'))
-    ir_dump(g, stdout);
-  if (!apply_checkpoint(o, g))
-    return NULL;
-  return g;
+// The pipeline's target for the back end o runs on.
+static Target target_of(const Options *o) {
+  const char *backend = backend_of(o);
+  return !strcmp(backend, "interp") ? TARGET_GRAPH : !strcmp(backend, "cuda") ? TARGET_CUDA : TARGET_C;
 }
 
-typedef struct {
-  Fusion *f;
-  MemPlan *m;
-} Plan;
-
-// The passes a compiled back end adds: fuse, then plan memory. Dumps F and M.
-static Plan plan(const Options *o, Graph *g) {
-  Plan p = {.f = fuse(g, o->fuse)};
-  p.m = memplan_with(p.f, o->reuse);
-  if (dumping(o, 'F'))
-    fuse_dump(p.f, stdout);
-  if (dumping(o, 'M'))
-    memplan_dump(p.f, p.m, stdout);
-  return p;
-}
 
 // optimizer = muon: which params Muon updates and which AdamW (sema.c's set_muon), in one line.
 static void print_muon_split(const Graph *g) {
@@ -635,9 +513,9 @@ static void print_muon_split(const Graph *g) {
   printf("%s; AdamW for the other %d params\n", nm > 8 ? " ..." : "", na);
 }
 
-static int cmd_check(const Options *o, Graph *g) {
-  if (dumping(o, 'F') || dumping(o, 'M'))
-    plan(o, g);
+static int cmd_check(const Options *o, Compilation *c) {
+  (void)o; // (what check prints depends on the graph alone)
+  const Graph *g = c->g;
   char buf[128];
   printf("model %s: %lld parameters in %d tensors\n", g->model ? g->model : "?", (long long)ir_param_count(g),
          g->nparams);
@@ -726,15 +604,16 @@ static bool host_memory_fits(const Options *o, const Graph *g, int64_t arena_byt
   return false;
 }
 
-// With `report`, one line on what was compiled.
-static Engine *open_engine(const Options *o, Graph *g, bool report) {
+// The engine for what the pipeline compiled for o's back end (target_of): the interpreter, the C
+// module or the CUDA plan. With `report`, one line on what was compiled.
+static Engine *open_engine(const Options *o, const Compilation *c, bool report) {
   const char *backend = backend_of(o);
+  Graph *g = c->g;
   if (!strcmp(backend, "interp"))
     return engine_interp(g, o->fp64 ? INTERP_F64 : INTERP_F32, o->seed);
   char err[512];
-  Plan p = plan(o, g);
   if (!strcmp(backend, "cuda")) {
-    Engine *e = engine_cuda(p.f, p.m, o->seed, o->gemm_tuning, o->kernel_tuning, err, sizeof err);
+    Engine *e = engine_cuda(c->f, c->m, c->cuda, o->seed, o->gemm_tuning, o->kernel_tuning, err, sizeof err);
     CudaDevice d;
     if (!e)
       diag_file_error(o->file, "%s", err);
@@ -742,12 +621,9 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
       gpu_peak(&d, e);
     return e;
   }
-  if (!host_memory_fits(o, g, p.m->arena_bytes))
+  if (!host_memory_fits(o, g, c->m->arena_bytes))
     return NULL;
-  char *source = emit_c(p.f, p.m, o->file);
-  if (!source)
-    return NULL;
-  Engine *e = engine_cpu(p.f, p.m, source, o->seed, err, sizeof err);
+  Engine *e = engine_cpu(c->f, c->m, c->c_source, o->seed, err, sizeof err);
   if (!e)
     diag_file_error(o->file, "%s", err);
   if (e && report) { // and MFU against the peak of what the GEMMs run on: AMX's where they are bf16 there
@@ -759,8 +635,8 @@ static Engine *open_engine(const Options *o, Graph *g, bool report) {
   }
   if (e && report && !o->quiet)
     printf("compiled %s for the CPU: %d kernels (fusion %s), arena %.1f MB (activations %.1f MB), %s\n", g->model,
-           p.f->nsteps, o->fuse.fuse ? "on" : "off", (double)p.m->arena_bytes / 1e6,
-           (double)p.m->activation_bytes / 1e6,
+           c->f->nsteps, o->fuse.fuse ? "on" : "off", (double)c->m->arena_bytes / 1e6,
+           (double)c->m->activation_bytes / 1e6,
            e->cache_hit ? "module from the cache" : arena_printf(g->arena, "cc took %.2f s", e->compile_seconds));
   return e;
 }
@@ -811,7 +687,8 @@ static bool write_params(const char *path, Engine *e) {
   return ok;
 }
 
-static int cmd_init(const Options *o, Graph *g) {
+static int cmd_init(const Options *o, Compilation *c) {
+  Graph *g = c->g;
   if (!o->out)
     return usage_error("init needs -o W.safetensors%s", "");
   Engine *e = engine_interp(g, INTERP_F32, o->seed);
@@ -845,10 +722,11 @@ static bool load_batch(Engine *e, const Graph *g, const char *path) {
   return ok;
 }
 
-static int cmd_grad(const Options *o, Graph *g) {
+static int cmd_grad(const Options *o, Compilation *c) {
+  Graph *g = c->g;
   if (!o->out || !o->weights || !o->batch)
     return usage_error("grad needs --weights W --batch BATCH -o OUT%s", "");
-  Engine *e = open_engine(o, g, false);
+  Engine *e = open_engine(o, c, false);
   if (!e)
     return EXIT_USER;
   char err[512];
@@ -881,22 +759,18 @@ static int cmd_grad(const Options *o, Graph *g) {
 }
 
 // Writes DIR/model.c, DIR/model.cu, DIR/plan.txt (fusion and memory plan) and DIR/fusion.txt.
-static int cmd_build(const Options *o, Graph *g) {
+static int cmd_build(const Options *o, Compilation *c) {
+  const Graph *g = c->g;
   if (!o->out)
     return usage_error("build needs -o DIR%s", "");
   if (mkdir(o->out, 0777) && errno != EEXIST) {
     diag_file_error(o->out, "cannot create the directory: %s", strerror(errno));
     return EXIT_USER;
   }
-  Plan on = plan(o, g);
-  char *c_source = emit_c(on.f, on.m, o->file);
-  FuseOptions fo_off = o->fuse;
+  FuseOptions fo_off = o->fuse; // (the fusion report's other column)
   fo_off.fuse = false;
-  Fusion *off = fuse(g, fo_off);
+  Fusion *off = fuse(c->g, fo_off);
   MemPlan *moff = memplan(off);
-  char *cu_source = emit_cuda(on.f, on.m, o->file);
-  if (!c_source || !cu_source)
-    return EXIT_USER;
   char path[4096];
   struct {
     const char *name;
@@ -912,22 +786,22 @@ static int cmd_build(const Options *o, Graph *g) {
       return EXIT_USER;
     }
     if (files[i].what == 0)
-      fputs(c_source, f);
+      fputs(c->c_source, f);
     else if (files[i].what == 3)
-      fputs(cu_source, f);
+      fputs(c->cuda->source, f);
     else if (files[i].what == 1) {
-      fuse_dump(on.f, f);
+      fuse_dump(c->f, f);
       fputc('\n', f);
-      memplan_dump(on.f, on.m, f);
+      memplan_dump(c->f, c->m, f);
     } else
-      fusion_report(on.f, off, on.m, moff, f);
+      fusion_report(c->f, off, c->m, moff, f);
     if (fclose(f) || rename(tmp, path)) {
       diag_file_error(path, "cannot write: %s", strerror(errno));
       return EXIT_USER;
     }
   }
   printf("%s: %d kernels (%d unfused), arena %.2f MB (activations %.2f MB) -> %s/{model.c,model.cu,plan.txt,fusion.txt}\n",
-         g->model, on.f->nsteps, off->nsteps, (double)on.m->arena_bytes / 1e6, (double)on.m->activation_bytes / 1e6,
+         g->model, c->f->nsteps, off->nsteps, (double)c->m->arena_bytes / 1e6, (double)c->m->activation_bytes / 1e6,
          o->out);
   char line[1024];
   checkpoint_summary(&g->ckpt, true, true, line, sizeof line);
@@ -938,23 +812,12 @@ static int cmd_build(const Options *o, Graph *g) {
 // The forward graph alone (validation loss, dropout off), or forward + backward without the
 // optimizer (the micro-batches of gradient accumulation), on the same back end.
 static Engine *open_side_engine(const Options *o, Arena *a, bool grads) {
-  Graph *g = o->text ? mdl_compile_text_with(a, o->file, o->text, o->dims, o->ndims, &o->lower)
-                     : mdl_compile_file_with(a, o->file, o->dims, o->ndims, &o->lower);
-  if (!g || g->loss < 0 || (grads && !autodiff(g, false)) || !apply_precision(o, g, !grads))
-    return NULL;
   Options quiet = *o;
   quiet.dump = NULL;
-  if (grads && !apply_checkpoint(&quiet, g))
-    return NULL;
-  if (!grads) { // validation reads the loss and the scalar outputs alone: no other output is kept, so the LM
-    ir_eval_mode(g); // head's logits are never whole (rule 2 of fuse.c chunks it: 5.3 GB of them at GPT-2 124M,
-    int kept = 0;    // B=205, T=128)
-    for (int i = 0; i < g->noutputs; i++)
-      if (g->outputs[i] != g->loss && g->nodes[g->outputs[i]]->shape.rank == 0)
-        g->outputs[kept++] = g->outputs[i];
-    g->noutputs = kept;
-  }
-  return open_engine(&quiet, g, false);
+  PipelineOptions po = pipeline_options(&quiet, grads ? GRAPH_GRADS : GRAPH_EVAL, target_of(o));
+  po.accumulate = 0; // (the step's own setting: the side graphs run one batch each)
+  Compilation c;
+  return pipeline(a, &po, &c) ? open_engine(&quiet, &c, false) : NULL;
 }
 
 // OUT/run.json, one line: what the run compiled (`mdlc lab` reads it): the back end, the precision,
@@ -1068,7 +931,8 @@ static bool resume_batch_order(Options *o) {
   return ok;
 }
 
-static int cmd_run(const Options *o, Graph *g) {
+static int cmd_run(const Options *o, Compilation *c) {
+  Graph *g = c->g;
   if (!o->data) {
     diag_file_error(o->file, "run needs --data DIR: shards made by `mdlc prep TEXT -o DIR`, or arrays named as the "
                     "model's inputs (.npy, .npz, .safetensors)");
@@ -1129,7 +993,7 @@ static int cmd_run(const Options *o, Graph *g) {
   }
   if (o->tokenize_on_the_fly && o->pack && !o->shuffle_set)
     printf("batches in order: packed rows read from the text cannot be shuffled (--no-pack shuffles them)\n");
-  Engine *e = open_engine(o, g, true);
+  Engine *e = open_engine(o, c, true);
   if (!e) {
     train_release_out(lock, out_dir, created);
     free(tok_base64);
@@ -1292,8 +1156,9 @@ static int64_t lab_peak(const Options *o, int64_t b, bool ckpt, int64_t budget) 
   dup2(null, 2);
   close(null);
   Arena *a = arena_new();
-  Graph *g = compile(a, &q, true, true);
-  int64_t peak = g ? g->ckpt.peak : -1;
+  PipelineOptions po = pipeline_options(&q, GRAPH_TRAIN, TARGET_GRAPH);
+  Compilation c;
+  int64_t peak = pipeline(a, &po, &c) ? c.g->ckpt.peak : -1;
   arena_free(a);
   fflush(stderr);
   dup2(saved, 2);
@@ -1345,8 +1210,10 @@ static const char *lab_leak(const Options *o, Arena *out, bool mask, bool *passe
   q.lower.no_doc_mask = !mask;
   *passed = false;
   Arena *a = arena_new();
-  Graph *g = mdl_compile_file_with(a, o->file, o->dims, o->ndims, &q.lower);
-  bool precise = g && apply_precision(&q, g, false); // (which renumbers the nodes: the outputs are looked up after it)
+  PipelineOptions po = pipeline_options(&q, GRAPH_INFER, target_of(&q));
+  Compilation c;
+  bool precise = pipeline(a, &po, &c); // (the precision pass renumbers the nodes: the outputs are looked up after it)
+  Graph *g = precise ? c.g : NULL;
   int logits = -1;
   for (int i = 0; precise && i < g->noutputs; i++)
     if (g->nodes[g->outputs[i]]->name && !strcmp(g->nodes[g->outputs[i]]->name, "logits"))
@@ -1358,8 +1225,7 @@ static const char *lab_leak(const Options *o, Arena *out, bool mask, bool *passe
     arena_free(a);
     return arena_strdup(out, said);
   }
-  ir_eval_mode(g);
-  Engine *e = open_engine(&q, g, false);
+  Engine *e = open_engine(&q, &c, false);
   int64_t B = ir_dim(g, "B"), T = ir_dim(g, "T"), V = ir_dim(g, "V"), n = B * T;
   Loader *l = e ? loader_open(o->data, "train", (LoaderOptions){.B = B, .T = T, .vocab = V, .pack = true}) : NULL;
   Batch bt;
@@ -1419,7 +1285,8 @@ static const char *lab_leak(const Options *o, Arena *out, bool mask, bool *passe
 }
 
 // `mdlc lab MODEL --data DIR`: the measurements that need the compiler, then lab_run's rows.
-static int cmd_lab(const Options *o, Graph *g) {
+static int cmd_lab(const Options *o, Compilation *c) {
+  Graph *g = c->g;
   if (!o->data) {
     diag_file_error(o->file, "lab needs --data DIR: shards made by `mdlc prep TEXT -o DIR`");
     return EXIT_USER;
@@ -1568,17 +1435,19 @@ static int run_verb(Options *o) {
     o->prep.out_dir = o->out;
     return prep_run(&o->prep);
   }
+  // Per verb the graph it compiles and how far: a target of -1 is the back end's (target_of).
   static const struct {
     const char *verb;
-    int (*fn)(const Options *, Graph *);
+    int (*fn)(const Options *, Compilation *);
     bool grads, optimizer;
+    int target;
   } verbs[] = {
-      {"check", cmd_check, false, false},
-      {"init", cmd_init, false, false},
-      {"grad", cmd_grad, true, false},
-      {"build", cmd_build, true, true},
-      {"run", cmd_run, true, true},
-      {"lab", cmd_lab, true, true},
+      {"check", cmd_check, false, false, TARGET_GRAPH},
+      {"init", cmd_init, false, false, TARGET_GRAPH},
+      {"grad", cmd_grad, true, false, -1},
+      {"build", cmd_build, true, true, TARGET_C_CUDA},
+      {"run", cmd_run, true, true, -1},
+      {"lab", cmd_lab, true, true, TARGET_GRAPH},
   };
   for (size_t i = 0; i < sizeof verbs / sizeof *verbs; i++) {
     if (strcmp(o->verb, verbs[i].verb))
@@ -1586,8 +1455,13 @@ static int run_verb(Options *o) {
     Arena *a = arena_new();
     bool train = verbs[i].optimizer || dumping(o, 'A') || dumping(o, 'R') || dumping(o, 'C') || dumping(o, 'F') ||
                  dumping(o, 'M');
-    Graph *g = compile(a, o, verbs[i].grads || train, train);
-    int rc = g ? verbs[i].fn(o, g) : EXIT_USER;
+    GraphKind kind = train ? GRAPH_TRAIN : verbs[i].grads ? GRAPH_GRADS : GRAPH_FORWARD;
+    Target target = verbs[i].target >= 0 ? (Target)verbs[i].target : target_of(o);
+    if (!strcmp(o->verb, "check") && (dumping(o, 'F') || dumping(o, 'M')))
+      target = TARGET_PLAN;
+    PipelineOptions po = pipeline_options(o, kind, target);
+    Compilation c;
+    int rc = pipeline(a, &po, &c) ? verbs[i].fn(o, &c) : EXIT_USER;
     arena_free(a);
     return rc;
   }

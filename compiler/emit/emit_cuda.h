@@ -94,7 +94,7 @@ typedef struct {
   size_t cost;               // the length of the kernel's code (its comment and tables apart), bytes
 } CudaUnit;
 
-typedef struct {
+typedef struct CudaPlan {
   const char *source;        // the translation unit (also what emit_cuda returns)
   CudaUnit *units;           // in the order of source, one per kernel (the first at the head's end)
   int nunits;

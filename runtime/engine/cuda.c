@@ -1668,8 +1668,8 @@ static bool init_fp8(CudaEngine *ce, const Fusion *f, const MemPlan *m, char *er
   return true;
 }
 
-Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, bool tune_kernels, char *err,
-                    size_t n) {
+Engine *engine_cuda(const Fusion *f, const MemPlan *m, const CudaPlan *plan, uint64_t seed, bool tune_gemms,
+                    bool tune_kernels, char *err, size_t n) {
   CudaEngine *ce = calloc(1, sizeof *ce);
   if (!ce) {
     rt_fail(err, n, "out of host memory");
@@ -1692,7 +1692,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
       !nvrtc_available(err, n))
     return drop_early(ce);
-  ce->plan = emit_cuda_plan(f, m, f->g->model ? f->g->model : "model");
+  ce->plan = plan;
   if (!ce->plan) {
     rt_fail(err, n, "the CUDA emitter could not emit %s", f->g->model ? f->g->model : "the model");
     return drop_early(ce);
