@@ -386,6 +386,14 @@ static bool nccl_step(CudaEngine *ce, char *err, size_t n) {
          nccl_launches(ce, 0, ce->plan->nlaunches, true, err, n);
 }
 
+const char *cuda_error_what(long long code) {
+  switch (code) {
+  case CUDA_ERR_EMBED_ID: return "embed: id";
+  case CUDA_ERR_TARGET: return "cross_entropy: target";
+  default: return "error";
+  }
+}
+
 static bool cu_step(Engine *e, char *err, size_t n) {
   CudaEngine *ce = (CudaEngine *)e;
   MdlStatus st;

@@ -34,6 +34,10 @@ bool cuda_available(char *why, size_t n);
 // SMs; what it is in `how`.
 double cuda_bf16_peak(const CudaDevice *d, char *how, size_t n);
 
+// "embed: id", "cross_entropy: target": what a kernel reported with a CUDA_ERR_* code in its status
+// (emit_cuda.h's MdlStatus).
+const char *cuda_error_what(long long code);
+
 // The CUDA back end for a step plan and the CUDA plan emitted for it (emit_cuda_plan): parameters initialised from the seed as the interpreter does;
 // with tune_gemms, each GEMM on the fastest of cuBLASLt's candidates (timed when it is built), else
 // on the heuristic's first; with tune_kernels, each kernel that has a variant (CudaLaunch.alt) timed
