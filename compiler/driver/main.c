@@ -7,6 +7,7 @@
 #include "backend.h"
 #include "cuda.h"
 #include "data.h"
+#include "driver.h"
 #include "emit_cuda.h"
 #include "mdl.h"
 #include "runtime.h"
