@@ -187,6 +187,180 @@ static bool integer_text(const char *s) {
   return *s && strspn(s, "0123456789") == strlen(s);
 }
 
+// One option of the command line (getopt_long's c and optarg) into o; 0, else usage_error's status.
+static int take_option(Options *o, int c) {
+  int64_t v;
+  switch (c) {
+  case 'D': {
+    char *eq = strchr(optarg, '=');
+    if (!eq || eq == optarg || !parse_int(eq + 1, &v))
+      return usage_error(eq && eq > optarg && integer_text(eq + 1)
+                             ? "-D %s: the value overflows a 64-bit integer (-9223372036854775808 to "
+                               "9223372036854775807)"
+                             : "-D wants NAME=INTEGER, got '%s'",
+                         optarg);
+    if (o->ndims == 32)
+      return usage_error("too many -D options (32 at most)%s", "");
+    o->dims[o->ndims++] = (DimOverride){xstrndup(optarg, (size_t)(eq - optarg), "a -D option"), v};
+    break;
+  }
+  case 1003: {
+    char *end;
+    double s = strtod(optarg, &end);
+    if (!*optarg || *end || !(s > 0))
+      return usage_error("--dist-timeout wants seconds (> 0), got '%s'", optarg);
+    dist_set_timeout(s);
+    break;
+  }
+  case 1004: {
+    char *end;
+    double mb = strtod(optarg, &end);
+    if (!*optarg || *end || !(mb >= 0) || mb > 1e6)
+      return usage_error("--bucket-mb wants megabytes (>= 0; 0: one all-reduce), got '%s'",
+                         optarg);
+    dist_set_bucket((int64_t)(mb * 1048576));
+    o->cpu_reduce = "--bucket-mb";
+    break;
+  }
+  case 1005:
+    dist_set_overlap(true);
+    o->cpu_reduce = "--overlap";
+    break;
+  case 1006:
+    if (strcmp(optarg, "0") && strcmp(optarg, "1"))
+      return usage_error("--zero wants the ZeRO stage, 0 (off) or 1 (the optimizer's state sharded over the "
+                         "ranks), got '%s'", optarg);
+    o->zero = optarg[0] - '0';
+    break;
+  case 1002:
+    if (!strchr(optarg, '=') || optarg[0] == '=')
+      return usage_error("--set wants KEY=VALUE (e.g. --set lr=1e-3), got '%s'", optarg);
+    if (o->lower.nsettings == 32)
+      return usage_error("too many --set options (32 at most)%s", "");
+    o->settings[o->lower.nsettings++] = optarg;
+    o->lower.settings = o->settings;
+    break;
+  case 'd':
+    if (strspn(optarg, "PARCFM") != strlen(optarg))
+      return usage_error("unknown dump letters in '%s' (known: P parse, A autodiff, R precision, C checkpoints, "
+                         "F fusion, M memory)", optarg);
+    o->dump = optarg;
+    break;
+  case 'o': o->out = optarg; break;
+  case 'w': o->weights = optarg; break;
+  case 'b': o->batch = optarg; break;
+  case 'a': o->data = optarg; break;
+  case 's':
+    if (!parse_int(optarg, &o->steps) || o->steps <= 0)
+      return usage_error("--steps wants a positive count, got '%s'; use `mdlc eval` to evaluate without training",
+                         optarg);
+    break;
+  case 'S':
+    if (!parse_int(optarg, &v) || v < 0)
+      return usage_error("--seed wants a non-negative integer, got '%s'", optarg);
+    o->seed = (uint64_t)v;
+    o->seed_set = true;
+    break;
+  case 'k':
+    if (strcmp(optarg, "interp") && strcmp(optarg, "cpu") && strcmp(optarg, "cuda") && strcmp(optarg, "auto"))
+      return usage_error("unknown backend '%s' (available: auto, cuda, cpu, interp)", optarg);
+    o->backend = optarg;
+    break;
+  case 'F': o->fp64 = true; break;
+  case 'Q': {
+    DType dt;
+    if (!precision_parse(optarg, &dt) && strcmp(optarg, "auto"))
+      return usage_error("--precision wants auto, fp32, bf16 or fp8, got '%s'", optarg);
+    o->precision = optarg;
+    break;
+  }
+  case 'c':
+    if (strcmp(optarg, "none") && strcmp(optarg, "all") && strcmp(optarg, "auto") &&
+        (strncmp(optarg, "auto=", 5) || checkpoint_budget(optarg + 5, (int64_t)1 << 40, &(bool){0}) < 0))
+      return usage_error("--checkpoint wants none, all, auto or auto=BUDGET (bytes, 512MiB, 2GiB, or a fraction "
+                         "of the memory such as 0.5), got '%s'", optarg);
+    o->checkpoint = optarg;
+    break;
+  case 'N': o->fuse.fuse = false; break;
+  case 'L':
+    if (strcmp(optarg, "flash") && strcmp(optarg, "plain"))
+      return usage_error("--attention wants flash or plain, got '%s'", optarg);
+    o->lower.plain_attention = !strcmp(optarg, "plain");
+    break;
+  case 'Y': o->lower.no_doc_mask = true; break;
+  case 'v':
+    if (!parse_int(optarg, &v) || v < 256 || v > 65536)
+      return usage_error("--vocab wants a size from 256 to 65536, got '%s'", optarg);
+    o->prep.vocab = (int)v;
+    break;
+  case 'e': o->prep.doc_sep = optarg; break;
+  case 'f': {
+    char *end;
+    o->prep.val_fraction = strtod(optarg, &end);
+    if (*end || !(o->prep.val_fraction > 0 && o->prep.val_fraction <= 0.5))
+      return usage_error("--val-fraction wants a fraction in (0, 0.5], got '%s'", optarg);
+    break;
+  }
+  case 't': o->prep.text_field = optarg; break;
+  case 'n':
+    if (!parse_int(optarg, &o->prep.shard_tokens) || o->prep.shard_tokens <= 0)
+      return usage_error("--shard-tokens wants a positive count, got '%s'", optarg);
+    break;
+  case 'r': o->prep.force = true; break;
+  case 'R': o->resume = true; break;
+  case 'p': o->sample.prompt = optarg; break;
+  case 'T':
+    if (!parse_int(optarg, &o->sample.tokens) || o->sample.tokens < 0)
+      return usage_error("--tokens wants a count, got '%s'", optarg);
+    break;
+  case 'q':
+    if (!parse_int(optarg, &o->sample.top_k) || o->sample.top_k < 0)
+      return usage_error("--top-k wants a count (0: all), got '%s'", optarg);
+    break;
+  case 'm': {
+    char *end;
+    o->sample.temperature = strtod(optarg, &end);
+    if (*end || !(o->sample.temperature >= 0 && o->sample.temperature <= 100))
+      return usage_error("--temperature wants a number from 0 to 100, got '%s'", optarg);
+    break;
+  }
+  case 'P': o->pack = false, o->pack_set = true; break;
+  case 'H': o->shuffle_set = 1; break;
+  case 'W': o->shuffle_set = -1; break;
+  case 'I': o->tokenize_on_the_fly = true; break;
+  case 'E': case 'B': case 'K': case 'A': case 'X': {
+    int64_t *dst = c == 'E' ? &o->val_every : c == 'B' ? &o->val_batches : c == 'K' ? &o->ckpt_every
+                   : c == 'X' ? &o->skip_nonfinite : &o->accumulate;
+    if (!parse_int(optarg, dst) || *dst < (c == 'B' || c == 'A'))
+      return usage_error("expected a count, got '%s'", optarg);
+    if (c == 'A' && *dst > CKPT_MAX_ACCUMULATE)
+      return usage_error("--accumulate takes at most 1048576 micro-batches a step, got '%s'", optarg);
+    break;
+  }
+  case 1001:
+    if (!parse_int(optarg, &o->log_every) || o->log_every <= 0)
+      return usage_error("--log-every wants a positive count, got '%s'", optarg);
+    break;
+  case 'j': o->quiet = true; break;
+  case 'C': o->fuse.chunk_lmhead = false; break;
+  case 'Z': o->fuse.optimizer_per_param = true; break;
+  case 'M':
+    if (checkpoint_budget(optarg, (int64_t)1 << 40, &(bool){0}) < 0)
+      return usage_error("--memory-budget wants bytes, 512MiB, 2GiB or a fraction of the memory such as 0.5, got "
+                         "'%s'", optarg);
+    o->lab_budget = optarg;
+    break;
+  case 'U': o->reuse = false; break;
+  case 'G': o->gemm_tuning = false; break;
+  case 'J': o->kernel_tuning = false; break;
+  case 'O': o->profile = true; break;
+  case 'h': fputs(usage_text, stdout); exit(0);
+  case 'V': printf("mdlc %s\n", MDL_VERSION); exit(0);
+  default: return usage_error("%s", "bad option");
+  }
+  return 0;
+}
+
 static int parse_options(int argc, char **argv, Options *o) {
   static const struct option longopts[] = {
       {"dim", required_argument, 0, 'D'},     {"dump", required_argument, 0, 'd'},
@@ -225,176 +399,10 @@ static int parse_options(int argc, char **argv, Options *o) {
   prep_defaults(&o->prep);
   sample_defaults(&o->sample);
   int c;
-  int64_t v;
   while ((c = getopt_long(argc, argv, "D:d:o:hV", longopts, NULL)) != -1) {
-    switch (c) {
-    case 'D': {
-      char *eq = strchr(optarg, '=');
-      if (!eq || eq == optarg || !parse_int(eq + 1, &v))
-        return usage_error(eq && eq > optarg && integer_text(eq + 1)
-                               ? "-D %s: the value overflows a 64-bit integer (-9223372036854775808 to "
-                                 "9223372036854775807)"
-                               : "-D wants NAME=INTEGER, got '%s'",
-                           optarg);
-      if (o->ndims == 32)
-        return usage_error("too many -D options (32 at most)%s", "");
-      o->dims[o->ndims++] = (DimOverride){xstrndup(optarg, (size_t)(eq - optarg), "a -D option"), v};
-      break;
-    }
-    case 1003: {
-      char *end;
-      double s = strtod(optarg, &end);
-      if (!*optarg || *end || !(s > 0))
-        return usage_error("--dist-timeout wants seconds (> 0), got '%s'", optarg);
-      dist_set_timeout(s);
-      break;
-    }
-    case 1004: {
-      char *end;
-      double mb = strtod(optarg, &end);
-      if (!*optarg || *end || !(mb >= 0) || mb > 1e6)
-        return usage_error("--bucket-mb wants megabytes (>= 0; 0: one all-reduce), got '%s'",
-                           optarg);
-      dist_set_bucket((int64_t)(mb * 1048576));
-      o->cpu_reduce = "--bucket-mb";
-      break;
-    }
-    case 1005:
-      dist_set_overlap(true);
-      o->cpu_reduce = "--overlap";
-      break;
-    case 1006:
-      if (strcmp(optarg, "0") && strcmp(optarg, "1"))
-        return usage_error("--zero wants the ZeRO stage, 0 (off) or 1 (the optimizer's state sharded over the "
-                           "ranks), got '%s'", optarg);
-      o->zero = optarg[0] - '0';
-      break;
-    case 1002:
-      if (!strchr(optarg, '=') || optarg[0] == '=')
-        return usage_error("--set wants KEY=VALUE (e.g. --set lr=1e-3), got '%s'", optarg);
-      if (o->lower.nsettings == 32)
-        return usage_error("too many --set options (32 at most)%s", "");
-      o->settings[o->lower.nsettings++] = optarg;
-      o->lower.settings = o->settings;
-      break;
-    case 'd':
-      if (strspn(optarg, "PARCFM") != strlen(optarg))
-        return usage_error("unknown dump letters in '%s' (known: P parse, A autodiff, R precision, C checkpoints, "
-                           "F fusion, M memory)", optarg);
-      o->dump = optarg;
-      break;
-    case 'o': o->out = optarg; break;
-    case 'w': o->weights = optarg; break;
-    case 'b': o->batch = optarg; break;
-    case 'a': o->data = optarg; break;
-    case 's':
-      if (!parse_int(optarg, &o->steps) || o->steps <= 0)
-        return usage_error("--steps wants a positive count, got '%s'; use `mdlc eval` to evaluate without training",
-                           optarg);
-      break;
-    case 'S':
-      if (!parse_int(optarg, &v) || v < 0)
-        return usage_error("--seed wants a non-negative integer, got '%s'", optarg);
-      o->seed = (uint64_t)v;
-      o->seed_set = true;
-      break;
-    case 'k':
-      if (strcmp(optarg, "interp") && strcmp(optarg, "cpu") && strcmp(optarg, "cuda") && strcmp(optarg, "auto"))
-        return usage_error("unknown backend '%s' (available: auto, cuda, cpu, interp)", optarg);
-      o->backend = optarg;
-      break;
-    case 'F': o->fp64 = true; break;
-    case 'Q': {
-      DType dt;
-      if (!precision_parse(optarg, &dt) && strcmp(optarg, "auto"))
-        return usage_error("--precision wants auto, fp32, bf16 or fp8, got '%s'", optarg);
-      o->precision = optarg;
-      break;
-    }
-    case 'c':
-      if (strcmp(optarg, "none") && strcmp(optarg, "all") && strcmp(optarg, "auto") &&
-          (strncmp(optarg, "auto=", 5) || checkpoint_budget(optarg + 5, (int64_t)1 << 40, &(bool){0}) < 0))
-        return usage_error("--checkpoint wants none, all, auto or auto=BUDGET (bytes, 512MiB, 2GiB, or a fraction "
-                           "of the memory such as 0.5), got '%s'", optarg);
-      o->checkpoint = optarg;
-      break;
-    case 'N': o->fuse.fuse = false; break;
-    case 'L':
-      if (strcmp(optarg, "flash") && strcmp(optarg, "plain"))
-        return usage_error("--attention wants flash or plain, got '%s'", optarg);
-      o->lower.plain_attention = !strcmp(optarg, "plain");
-      break;
-    case 'Y': o->lower.no_doc_mask = true; break;
-    case 'v':
-      if (!parse_int(optarg, &v) || v < 256 || v > 65536)
-        return usage_error("--vocab wants a size from 256 to 65536, got '%s'", optarg);
-      o->prep.vocab = (int)v;
-      break;
-    case 'e': o->prep.doc_sep = optarg; break;
-    case 'f': {
-      char *end;
-      o->prep.val_fraction = strtod(optarg, &end);
-      if (*end || !(o->prep.val_fraction > 0 && o->prep.val_fraction <= 0.5))
-        return usage_error("--val-fraction wants a fraction in (0, 0.5], got '%s'", optarg);
-      break;
-    }
-    case 't': o->prep.text_field = optarg; break;
-    case 'n':
-      if (!parse_int(optarg, &o->prep.shard_tokens) || o->prep.shard_tokens <= 0)
-        return usage_error("--shard-tokens wants a positive count, got '%s'", optarg);
-      break;
-    case 'r': o->prep.force = true; break;
-    case 'R': o->resume = true; break;
-    case 'p': o->sample.prompt = optarg; break;
-    case 'T':
-      if (!parse_int(optarg, &o->sample.tokens) || o->sample.tokens < 0)
-        return usage_error("--tokens wants a count, got '%s'", optarg);
-      break;
-    case 'q':
-      if (!parse_int(optarg, &o->sample.top_k) || o->sample.top_k < 0)
-        return usage_error("--top-k wants a count (0: all), got '%s'", optarg);
-      break;
-    case 'm': {
-      char *end;
-      o->sample.temperature = strtod(optarg, &end);
-      if (*end || !(o->sample.temperature >= 0 && o->sample.temperature <= 100))
-        return usage_error("--temperature wants a number from 0 to 100, got '%s'", optarg);
-      break;
-    }
-    case 'P': o->pack = false, o->pack_set = true; break;
-    case 'H': o->shuffle_set = 1; break;
-    case 'W': o->shuffle_set = -1; break;
-    case 'I': o->tokenize_on_the_fly = true; break;
-    case 'E': case 'B': case 'K': case 'A': case 'X': {
-      int64_t *dst = c == 'E' ? &o->val_every : c == 'B' ? &o->val_batches : c == 'K' ? &o->ckpt_every
-                     : c == 'X' ? &o->skip_nonfinite : &o->accumulate;
-      if (!parse_int(optarg, dst) || *dst < (c == 'B' || c == 'A'))
-        return usage_error("expected a count, got '%s'", optarg);
-      if (c == 'A' && *dst > CKPT_MAX_ACCUMULATE)
-        return usage_error("--accumulate takes at most 1048576 micro-batches a step, got '%s'", optarg);
-      break;
-    }
-    case 1001:
-      if (!parse_int(optarg, &o->log_every) || o->log_every <= 0)
-        return usage_error("--log-every wants a positive count, got '%s'", optarg);
-      break;
-    case 'j': o->quiet = true; break;
-    case 'C': o->fuse.chunk_lmhead = false; break;
-    case 'Z': o->fuse.optimizer_per_param = true; break;
-    case 'M':
-      if (checkpoint_budget(optarg, (int64_t)1 << 40, &(bool){0}) < 0)
-        return usage_error("--memory-budget wants bytes, 512MiB, 2GiB or a fraction of the memory such as 0.5, got "
-                           "'%s'", optarg);
-      o->lab_budget = optarg;
-      break;
-    case 'U': o->reuse = false; break;
-    case 'G': o->gemm_tuning = false; break;
-    case 'J': o->kernel_tuning = false; break;
-    case 'O': o->profile = true; break;
-    case 'h': fputs(usage_text, stdout); exit(0);
-    case 'V': printf("mdlc %s\n", MDL_VERSION); exit(0);
-    default: return usage_error("%s", "bad option");
-    }
+    int rc = take_option(o, c);
+    if (rc)
+      return rc;
   }
   if (optind + 2 != argc)
     return usage_error("%s", optind == argc ? "no verb given" : "want exactly one VERB and one FILE.mdl");
