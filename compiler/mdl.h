@@ -732,8 +732,8 @@ MemPlan *memplan_with(const Fusion *f, bool reuse);
 void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out);
 
 //
-// lab.c: `mdlc lab`: the techniques' worth, each measured by a `mdlc run` of its own (main.c fills in
-// what needs the compiler: the plans' peaks, the leak check, the GEMM library's rates).
+// lab.c: `mdlc lab`: the techniques' worth, each measured by a `mdlc run` of its own (lab_measure.c fills
+// in what needs the compiler: the plans' peaks, the leak check, the GEMM library's rates).
 //
 typedef struct {
   Arena *arena;
