@@ -3,12 +3,13 @@
 // One function, pipeline(), reads as the list of passes, each followed by its validator and its `-d`
 // dump: front end (P) -> the precision named, checked -> autodiff and the optimizer (A) -> precision
 // (R) -> specialisation for evaluation -> checkpoint placement (C) -> fusion (F) -> memory plan (M) ->
-// emit (the C module's text, the CUDA plan). It runs nothing, opens no device and reads no data:
-// what depends on the machine (what `auto` precision is, the memory a checkpoint budget is measured
-// against, the GPU's compute capability) is decided by the driver before and handed in as
-// PipelineOptions. The dims are bound (shapes specialised) by the front end, from the model's text
-// and -D. Validation graphs are specialised after the precision pass, which decides on what the
-// graph's outputs read.
+// emit (the C module's text, the CUDA plan). The precision and checkpoint passes validate the graphs
+// they build themselves; fusion and the memory plan read the graph as it is. It runs nothing, opens
+// no device and reads no data: what depends on the machine (what `auto` precision is, the memory a
+// checkpoint budget is measured against, the GPU's compute capability) is decided by the driver
+// before and handed in as PipelineOptions. The dims are bound (shapes specialised) by the front end,
+// from the model's text and -D. Validation graphs are specialised after the precision pass, which
+// decides on what the graph's outputs read.
 #include "backend.h"
 #include "emit_cuda.h"
 #include "mdl.h"
@@ -136,14 +137,15 @@ static bool place_checkpoints(const PipelineOptions *o, Graph *g) {
 // emitter says why it could not emit).
 static bool emit(const PipelineOptions *o, Compilation *c) {
   const char *name = o->module_name ? o->module_name : c->g->model ? c->g->model : "model";
-  if (o->target == TARGET_C || o->target == TARGET_C_CUDA)
+  bool c_module = o->target == TARGET_C || o->target == TARGET_C_CUDA;
+  bool cuda = o->target == TARGET_CUDA || o->target == TARGET_C_CUDA;
+  if (c_module)
     c->c_source = emit_c(c->f, c->m, name);
-  if (o->target == TARGET_CUDA || o->target == TARGET_C_CUDA)
+  if (cuda)
     c->cuda = emit_cuda_plan(c->f, c->m, name);
-  if (o->target == TARGET_CUDA && !c->cuda)
+  if (o->target == TARGET_CUDA && !c->cuda) // (the engine's message where it emitted the plan itself)
     diag_file_error(o->file, "the CUDA emitter could not emit %s", c->g->model ? c->g->model : "the model");
-  return (c->c_source || (o->target != TARGET_C && o->target != TARGET_C_CUDA)) &&
-         (c->cuda || (o->target != TARGET_CUDA && o->target != TARGET_C_CUDA));
+  return (!c_module || c->c_source) && (!cuda || c->cuda);
 }
 
 bool pipeline(Arena *a, const PipelineOptions *o, Compilation *c) {
