@@ -111,7 +111,7 @@ static bool in_list(const char *list, const char *name) {
 
 // The host's fp8 conversions, bit for bit NVIDIA's (apart from the module's device ones of the same names).
 namespace host {
-#include "../../runtime/prelude_fp8.h"
+#include "../../runtime/kernels/prelude_fp8.h"
 }
 
 typedef int CUresult;
