@@ -8,17 +8,7 @@
 #include "emit_cuda.h"
 #include "runtime.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <getopt.h>
-#include <limits.h>
-#include <math.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 // What `auto` precision is: bf16 (a GPU's tensor cores, and the numerics every back end reproduces),
 // except for training or gradients on the CPU back end where the GEMM library has no bf16 GEMM faster

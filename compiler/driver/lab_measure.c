@@ -7,15 +7,11 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include <getopt.h>
 #include <limits.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 // The step's planned peak at batch b (the lab's full configuration: bf16, fused), with checkpoint
 // none, or with auto within budget; -1 where b does not compile or auto cannot meet the budget. The

@@ -4,16 +4,10 @@
 #include "runtime.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <getopt.h>
-#include <limits.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 static const char usage_text[] =
     "usage: mdlc [options] VERB FILE\n"

@@ -4,16 +4,11 @@
 #include "runtime.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include <getopt.h>
 #include <limits.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 // OUT/run.json, one line: what the run compiled (`mdlc lab` reads it): the back end, the precision,
 // the kernels a step (the plan's steps), the arena, the device memory the engines hold, the

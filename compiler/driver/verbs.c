@@ -6,16 +6,10 @@
 #include "runtime.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
-#include <getopt.h>
-#include <limits.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 // optimizer = muon: which params Muon updates and which AdamW (sema.c's set_muon), in one line.
 void print_muon_split(const Graph *g) {
