@@ -716,8 +716,8 @@ MemPlan *memplan_with(const Fusion *f, bool reuse);
 void memplan_dump(const Fusion *f, const MemPlan *m, FILE *out);
 
 //
-// lab.c: `mdlc lab`: the techniques' worth, each measured by a `mdlc run` of its own (main.c fills in
-// what needs the compiler: the plans' peaks, the leak check, the GEMM library's rates).
+// lab.c: `mdlc lab`: the techniques' worth, each measured by a `mdlc run` of its own (lab_measure.c fills
+// in what needs the compiler: the plans' peaks, the leak check, the GEMM library's rates).
 //
 typedef struct {
   Arena *arena;
@@ -751,5 +751,63 @@ int lab_run(const LabOptions *o);
 // report.c: the fusion report (per kernel: ops, bytes, flops; totals with fusion on and off).
 //
 void fusion_report(const Fusion *on, const Fusion *off, const MemPlan *mon, const MemPlan *moff, FILE *out);
+
+
+//
+// pipeline.c: every pass in order, from .mdl text to the module a back end runs; it runs nothing,
+// opens no device and reads no data (the driver decides what depends on the machine before).
+//
+typedef enum {
+  GRAPH_FORWARD, // the forward graph, its precision checked but not applied (check, init)
+  GRAPH_INFER,   // the forward graph after the precision pass, dropout off (the lab's leak check)
+  GRAPH_EVAL,    // the same with bf16 for fp8 and only the loss and the scalar outputs (validation)
+  GRAPH_GRADS,   // forward and backward, no optimizer (grad; gradient accumulation's micro-batches)
+  GRAPH_TRAIN,   // forward, backward and the optimizer's update: the training step
+} GraphKind;
+
+typedef enum {
+  TARGET_GRAPH,  // stop at the graph (the interpreter runs it)
+  TARGET_PLAN,   // fuse and plan memory, emit nothing (check's -d F, M)
+  TARGET_C,      // and emit the C module (the CPU back end)
+  TARGET_CUDA,   // and emit the CUDA plan (the CUDA back end)
+  TARGET_C_CUDA, // and both (build)
+} Target;
+
+typedef struct {
+  const char *file;            // the model: its path (messages; the front end reads it)
+  const char *text;            // its text where not read from file, else NULL
+  const DimOverride *dims;     // -D
+  int ndims;
+  const LowerOptions *lower;
+  int64_t accumulate;          // > 0: overrides the train section's gradient accumulation
+  GraphKind kind;
+  const char *precision;       // --precision, else NULL: the train section's
+  const char *auto_precision;  // what `auto` precision is here: "bf16" or "fp32"
+  const char *gpu;             // the GPU the step runs on (its name), else NULL
+  int compute_capability;      // its compute capability (89 for 8.9): fp8 needs 89 or more
+  bool fp8_emulated_note;      // say (once) that fp8 is emulated on the CPU
+  const char *checkpoint;      // --checkpoint, else NULL: the train section's, else auto
+  int64_t memory;              // bytes auto's budget is measured against (-1: unknown)
+  const char *memory_what;     // what that memory is: "free on the GPU", "available (...)"
+  FuseOptions fuse;
+  bool reuse;                  // the memory plan shares memory between values whose lives do not overlap
+  const char *dump;            // -d letters: P A R C F M
+  Target target;
+  const char *module_name;     // the emitted files' first comment names it (NULL: the model's name)
+} PipelineOptions;
+
+typedef struct CudaPlan CudaPlan; // (emit_cuda.h)
+typedef struct {
+  Graph *g;
+  Fusion *f;                   // TARGET_PLAN and after
+  MemPlan *m;
+  char *c_source;              // TARGET_C, TARGET_C_CUDA
+  CudaPlan *cuda;              // TARGET_CUDA, TARGET_C_CUDA
+} Compilation;
+
+// Front end, the precision named, autodiff and the optimizer, precision, specialisation, checkpoints,
+// fusion, memory plan, emit: as far as o->kind and o->target ask, each pass validated and dumped as
+// o->dump says. False after saying why; c->g is the graph as far as it was built.
+bool pipeline(Arena *a, const PipelineOptions *o, Compilation *c);
 
 #endif

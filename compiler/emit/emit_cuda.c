@@ -115,14 +115,6 @@ _Static_assert(CUDA_ERR_EMBED_ID == 1 && CUDA_ERR_TARGET == 2, "the prelude's MD
 
 const char *emit_cuda_prelude(void) { return ec_prelude_cuda; }
 
-const char *cuda_error_what(long long code) {
-  switch (code) {
-  case CUDA_ERR_EMBED_ID: return "embed: id";
-  case CUDA_ERR_TARGET: return "cross_entropy: target";
-  default: return "error";
-  }
-}
-
 static int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 //

@@ -92,7 +92,7 @@ typedef struct {
   size_t cost;               // the length of the kernel's code (its comment and tables apart), bytes
 } CudaUnit;
 
-typedef struct {
+typedef struct CudaPlan {
   const char *source;        // the translation unit (also what emit_cuda returns)
   CudaUnit *units;           // in the order of source, one per kernel (the first at the head's end)
   int nunits;
@@ -121,8 +121,6 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
 char *emit_cuda(const Fusion *f, const MemPlan *m, const char *source_path);
 // The prelude every emitted module starts with (types, reductions, gelu, rng, bf16 and fp8 conversions).
 const char *emit_cuda_prelude(void);
-// "embed: id", "cross_entropy: target" for a CUDA_ERR_* code.
-const char *cuda_error_what(long long code);
 
 //
 // nvrtc.c: NVRTC, loaded with dlopen, with a cubin cache on disk.

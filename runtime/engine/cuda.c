@@ -1,37 +1,6 @@
-// cuda.c: the CUDA back end's runtime. It loads the CUDA driver and cuBLASLt with dlopen (never
-// linked, so one mdlc binary runs on machines with and without a GPU), compiles the emitted CUDA C
-// with NVRTC, and runs the training step as one CUDA Graph behind the Engine hooks.
-//
-// Driver. libcuda.so.1 (or $MDL_LIBCUDA) is opened once per path (and never closed: the driver and
-// the CUDA runtime inside cuBLASLt do not support being unloaded); every entry point is resolved
-// through cuGetProcAddress (cuGetProcAddress_v2, else the older four-argument form) at the ABI of
-// CUDA 12.0, whose signatures the declarations below follow; a driver without cuGetProcAddress is
-// searched with dlsym under the versioned names of that ABI ("cuMemAlloc_v2"). Entry points that are
-// missing stay NULL: probing needs only cuInit and the device queries, the engine needs them all.
-// The engine uses the device's primary context, the one the CUDA runtime inside cuBLASLt also uses.
-// Every failing call is reported as "function: CUDA_ERROR_NAME" in one line.
-//
-// cuBLASLt. libcublasLt.so.13 (or libcublasLt.so, or $MDL_LIBCUBLASLT; also looked for under
-// /usr/local/cuda/lib64). Our matrices are row-major and cuBLASLt's column-major, so row-major
-// C[m,n] = op(A) op(B) is computed as the column-major C^T[n,m] = op(B)^T op(A)^T: the operands
-// swap places, m and n swap, and the leading dimensions stay. In that view a bias over the columns
-// of C is a bias over the rows of C^T, which is what the BIAS epilogue adds, and GELU's
-// pre-activation (which the backward reads) goes to the epilogue's aux output. A residual added to
-// the product is cuBLASLt's C with beta 1, out of place (CudaGemm.c_apart: C and D two matrices of
-// one layout, as cublasLtMatmul allows), so the GEMM writes x + a @ w (+ b) without a kernel after
-// it. (No BGRAD epilogue: a bias gradient is summed by the fused kernels.) The element types of a
-// GEMM are the CudaGemm's, set by the emitter: A and B f32 or bf16, always summed in f32
-// (CUBLAS_COMPUTE_32F, f32 alpha and beta); D f32, or bf16 for a GEMM whose only reader rounds it (no
-// epilogue then: cuBLASLt's bias and aux would take D's type, ours are f32). Precision fp8: A and B
-// E4M3 or E5M2 (CUDA_R_8F_E4M3, _E5M2; never both E5M2), row-major A [m, k] times B stored [n, k]
-// (CudaGemm.tb), which the swap above makes cuBLASLt's "TN", the one layout its FP8 kernels take; the
-// sums times A's and B's 1 / scale, given as cuBLASLt's B and A scale pointers into the arena's fp8
-// region. CUBLASLT_MATMUL_DESC_FAST_ACCUM stays off: Hopper's fast accumulation keeps the sums in the
-// tensor cores' narrower accumulator and skips the periodic promotion to f32, which costs accuracy on
-// long inner dimensions (the backward's GEMMs over B*T); the CPU back ends sum in f32. When the
-// engine is built the heuristic offers up to 8 algorithms per GEMM and each is timed on the arena
-// (three runs after one), the fastest kept; capture and replay do no searching. A GEMM it offers
-// none for (an fp8 layout other than TN, say) is an error naming the GEMM, its plan step and shapes.
+// cuda.c: the CUDA back end's engine: runs the CudaPlan the pipeline emitted as one CUDA Graph of
+// NVRTC-compiled kernels and cuBLASLt GEMMs behind the Engine hooks (the driver API in cuda_driver.c,
+// the GEMMs in cuda_gemm.c).
 //
 // The step. Parameters are initialised on the host exactly as the interpreter does and copied up
 // with their bf16 copies (fuse.c, rule 11); the AdamW moments start at zero. Inputs and the lr/step
@@ -54,588 +23,16 @@
 // the runtime raises them to its micro-batches' and ranks' (Engine.set_fp8_amax, on the host: the
 // ranks are MPI processes), and a micro-batches' engine casts with the step engine's scales and only
 // records its amaxes (Engine.set_fp8_lead).
-#include "cuda.h"
+#include "cuda_impl.h"
 #include "backend.h"
-#include "emit_cuda.h"
 #include "fp8_state.h"
+#include "runtime.h"
 
-#include <dlfcn.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
-
-//
-// The driver API: the few types and functions we use (from cuda.h, CUDA 12.0 ABI).
-//
-typedef int CUresult;
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUmod_st *CUmodule;
-typedef struct CUfunc_st *CUfunction;
-typedef struct CUstream_st *CUstream;
-typedef struct CUgraph_st *CUgraph;
-typedef struct CUgraphExec_st *CUgraphExec;
-typedef struct CUevent_st *CUevent;
-
-enum {
-  CUDA_SUCCESS = 0,
-  CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
-  CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
-  CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76,
-  CU_STREAM_NON_BLOCKING = 1,
-  CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,
-  CU_GET_PROC_ADDRESS_DEFAULT = 0,
-  CUDA_ABI_VERSION = 12000, // the driver ABI the declarations below follow
-};
-
-// name, versioned name (dlsym fallback), parameters
-#define CU_FUNCTIONS(X)                                                                                     \
-  X(cuInit, "cuInit", (unsigned int flags))                                                                 \
-  X(cuDriverGetVersion, "cuDriverGetVersion", (int *version))                                               \
-  X(cuGetErrorName, "cuGetErrorName", (CUresult error, const char **name))                                  \
-  X(cuDeviceGetCount, "cuDeviceGetCount", (int *count))                                                     \
-  X(cuDeviceGet, "cuDeviceGet", (CUdevice * dev, int ordinal))                                              \
-  X(cuDeviceGetAttribute, "cuDeviceGetAttribute", (int *value, int attribute, CUdevice dev))                \
-  X(cuDeviceGetName, "cuDeviceGetName", (char *name, int len, CUdevice dev))                                \
-  X(cuDeviceTotalMem, "cuDeviceTotalMem_v2", (size_t * bytes, CUdevice dev))                                \
-  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", (CUcontext * ctx, CUdevice dev))                  \
-  X(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", (CUdevice dev))                              \
-  X(cuCtxSetCurrent, "cuCtxSetCurrent", (CUcontext ctx))                                                    \
-  X(cuModuleLoadData, "cuModuleLoadData", (CUmodule * mod, const void *image))                              \
-  X(cuModuleUnload, "cuModuleUnload", (CUmodule mod))                                                       \
-  X(cuModuleGetFunction, "cuModuleGetFunction", (CUfunction * fn, CUmodule mod, const char *name))          \
-  X(cuModuleGetGlobal, "cuModuleGetGlobal_v2", (CUdeviceptr * ptr, size_t *bytes, CUmodule mod, const char *name)) \
-  X(cuMemAlloc, "cuMemAlloc_v2", (CUdeviceptr * ptr, size_t bytes))                                         \
-  X(cuMemFree, "cuMemFree_v2", (CUdeviceptr ptr))                                                           \
-  X(cuMemGetInfo, "cuMemGetInfo_v2", (size_t * free_bytes, size_t *total_bytes))                            \
-  X(cuMemsetD8Async, "cuMemsetD8Async", (CUdeviceptr dst, unsigned char value, size_t n, CUstream s))       \
-  X(cuMemsetD32Async, "cuMemsetD32Async", (CUdeviceptr dst, unsigned int value, size_t n, CUstream s))      \
-  X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", (void *dst, CUdeviceptr src, size_t bytes, CUstream s))   \
-  X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", (CUdeviceptr dst, const void *src, size_t bytes, CUstream s)) \
-  X(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", (CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s)) \
-  X(cuStreamCreate, "cuStreamCreate", (CUstream * s, unsigned int flags))                                   \
-  X(cuStreamDestroy, "cuStreamDestroy_v2", (CUstream s))                                                    \
-  X(cuStreamSynchronize, "cuStreamSynchronize", (CUstream s))                                               \
-  X(cuLaunchKernel, "cuLaunchKernel",                                                                       \
-    (CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,           \
-     unsigned shared, CUstream s, void **params, void **extra))                                             \
-  X(cuStreamBeginCapture, "cuStreamBeginCapture_v2", (CUstream s, int mode))                                \
-  X(cuStreamEndCapture, "cuStreamEndCapture", (CUstream s, CUgraph * graph))                                \
-  X(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags",                                             \
-    (CUgraphExec * exec, CUgraph graph, unsigned long long flags))                                          \
-  X(cuGraphLaunch, "cuGraphLaunch", (CUgraphExec exec, CUstream s))                                         \
-  X(cuGraphExecDestroy, "cuGraphExecDestroy", (CUgraphExec exec))                                           \
-  X(cuGraphDestroy, "cuGraphDestroy", (CUgraph graph))                                                     \
-  X(cuEventCreate, "cuEventCreate", (CUevent * ev, unsigned int flags))                                     \
-  X(cuEventRecord, "cuEventRecord", (CUevent ev, CUstream s))                                               \
-  X(cuEventSynchronize, "cuEventSynchronize", (CUevent ev))                                                 \
-  X(cuEventElapsedTime, "cuEventElapsedTime", (float *ms, CUevent start, CUevent end))                      \
-  X(cuEventDestroy, "cuEventDestroy_v2", (CUevent ev))
-
-typedef struct {
-  void *so;
-  char path[512];
-#define X(name, versioned, params) CUresult(*name) params;
-  CU_FUNCTIONS(X)
-#undef X
-} Driver;
-
-static Driver drv;
-
-static const char *cu_error_name(CUresult r) {
-  const char *name = NULL;
-  if (drv.cuGetErrorName && drv.cuGetErrorName(r, &name) == CUDA_SUCCESS && name)
-    return name;
-  static char buf[32];
-  snprintf(buf, sizeof buf, "CUresult %d", r);
-  return buf;
-}
-
-// "function: CUDA_ERROR_NAME" into err when r is not CUDA_SUCCESS.
-static bool cu_ok(CUresult r, const char *fn, char *err, size_t n) {
-  return r == CUDA_SUCCESS || rt_fail(err, n, "%s: %s", fn, cu_error_name(r));
-}
-#define CU(err, n, fn, ...) cu_ok(drv.fn(__VA_ARGS__), #fn, err, n)
-
-typedef CUresult (*GetProcAddress2)(const char *, void **, int, unsigned long long, int *);
-typedef CUresult (*GetProcAddress1)(const char *, void **, int, unsigned long long);
-
-// Opens the driver at `path` (once per path) and resolves every entry point it has.
-static bool driver_open(const char *path, char *why, size_t n) {
-  if (drv.so && !strcmp(drv.path, path))
-    return true;
-  void *so = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (!so) {
-    if (!strcmp(path, "libcuda.so.1"))
-      return rt_fail(why, n, "no CUDA driver (libcuda.so.1 not found)");
-    return rt_fail(why, n, "no CUDA driver (%s)", dlerror());
-  }
-  drv = (Driver){.so = so};
-  snprintf(drv.path, sizeof drv.path, "%s", path);
-  GetProcAddress2 gpa2 = (GetProcAddress2)dlsym(so, "cuGetProcAddress_v2");
-  GetProcAddress1 gpa1 = (GetProcAddress1)dlsym(so, "cuGetProcAddress");
-  struct {
-    const char *name, *versioned;
-    void **slot;
-  } fns[] = {
-#define X(name, versioned, params) {#name, versioned, (void **)&drv.name},
-      CU_FUNCTIONS(X)
-#undef X
-  };
-  for (size_t i = 0; i < sizeof fns / sizeof *fns; i++) {
-    void *p = NULL;
-    int status = 0;
-    if (gpa2) {
-      if (gpa2(fns[i].name, &p, CUDA_ABI_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status) != CUDA_SUCCESS || status)
-        p = NULL;
-    } else if (gpa1) {
-      if (gpa1(fns[i].name, &p, CUDA_ABI_VERSION, CU_GET_PROC_ADDRESS_DEFAULT) != CUDA_SUCCESS)
-        p = NULL;
-    } else {
-      p = dlsym(so, fns[i].versioned);
-    }
-    *fns[i].slot = p;
-  }
-  return true;
-}
-
-// The driver initialised, with at least one device: device 0's properties; under a launcher that
-// started several ranks (dist.c), the device of the rank's place on its machine (its local rank, modulo
-// the devices).
-static bool driver_device(CudaDevice *d, char *why, size_t n) {
-  const char *env = getenv("MDL_LIBCUDA");
-  if (!driver_open(env && *env ? env : "libcuda.so.1", why, n))
-    return false;
-  if (!drv.cuInit || !drv.cuDeviceGetCount)
-    return rt_fail(why, n, "no usable CUDA driver (%s lacks cuInit or cuDeviceGetCount)", drv.path);
-  CUresult r = drv.cuInit(0);
-  if (r != CUDA_SUCCESS) {
-    const char *name = cu_error_name(r);
-    if (!strcmp(name, "CUDA_ERROR_NO_DEVICE"))
-      return rt_fail(why, n, "no CUDA device (cuInit: %s)", name);
-    return rt_fail(why, n, "no usable CUDA driver (cuInit: %s)", name);
-  }
-  int count = 0;
-  if (!CU(why, n, cuDeviceGetCount, &count))
-    return false;
-  if (count < 1)
-    return rt_fail(why, n, "no CUDA device");
-  if (!drv.cuDeviceGet || !drv.cuDeviceGetAttribute)
-    return rt_fail(why, n, "no usable CUDA driver (%s lacks cuDeviceGet or cuDeviceGetAttribute)", drv.path);
-  *d = (CudaDevice){0};
-  int major = 0, minor = 0;
-  int which = dist_launched() ? dist_local_rank() % count : 0;
-  if (!CU(why, n, cuDeviceGet, &d->ordinal, which) ||
-      !CU(why, n, cuDeviceGetAttribute, &major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, d->ordinal) ||
-      !CU(why, n, cuDeviceGetAttribute, &minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, d->ordinal))
-    return false;
-  snprintf(d->arch, sizeof d->arch, "sm_%d%d", major, minor);
-  snprintf(d->name, sizeof d->name, "CUDA device %d", which);
-  if (drv.cuDeviceGetName)
-    drv.cuDeviceGetName(d->name, (int)sizeof d->name, d->ordinal);
-  if (drv.cuDeviceGetAttribute(&d->sm_count, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d->ordinal) != CUDA_SUCCESS)
-    d->sm_count = 0;
-  if (!drv.cuDeviceTotalMem || drv.cuDeviceTotalMem(&d->total_bytes, d->ordinal) != CUDA_SUCCESS)
-    d->total_bytes = 0;
-  if (!drv.cuDriverGetVersion || drv.cuDriverGetVersion(&d->driver_version) != CUDA_SUCCESS)
-    d->driver_version = 0;
-  return true;
-}
-
-bool cuda_device(CudaDevice *d, char *why, size_t n) { return driver_device(d, why, n); }
-
-int64_t cuda_free_memory(const CudaDevice *d) {
-  CUcontext ctx;
-  size_t free_bytes = 0, total = 0;
-  if (!drv.cuDevicePrimaryCtxRetain || !drv.cuCtxSetCurrent || !drv.cuMemGetInfo ||
-      drv.cuDevicePrimaryCtxRetain(&ctx, d->ordinal) != CUDA_SUCCESS)
-    return -1;
-  bool ok = drv.cuCtxSetCurrent(ctx) == CUDA_SUCCESS && drv.cuMemGetInfo(&free_bytes, &total) == CUDA_SUCCESS;
-  return ok ? (int64_t)free_bytes : -1;
-}
-
-bool cuda_probe(char *why, size_t n) {
-  CudaDevice d;
-  if (!driver_device(&d, why, n))
-    return false;
-  snprintf(why, n, "%s (%s, %d SMs, %.1f GiB, driver %d.%d)", d.name, d.arch, d.sm_count,
-           (double)d.total_bytes / (1 << 30), d.driver_version / 1000, d.driver_version % 1000 / 10);
-  return true;
-}
-
-bool cuda_available(char *why, size_t n) {
-  if (!cuda_probe(why, n))
-    return false;
-  char line[256];
-  snprintf(line, sizeof line, "%s", why);
-  if (!nvrtc_available(why, n))
-    return false;
-  snprintf(why, n, "%s", line);
-  return true;
-}
-
-// The bf16 dense tensor-core peaks of devices by name (NVIDIA's figures, without sparsity), most
-// specific names first: a name matches where it ends at the end of the device's or before a space.
-static const struct {
-  const char *name;
-  double tflops;
-  const char *what;
-} device_peaks[] = {
-    {"H100 PCIe", 756, "H100 PCIe"}, {"H100 NVL", 835, "H100 NVL"},   {"GH200", 989, "GH200"},
-    {"H200", 989, "H200"},           {"H100", 989, "H100 SXM"},       {"H800", 989, "H800"},
-    {"H20", 148, "H20"},             {"B200", 2250, "B200"},          {"B100", 1750, "B100"},
-    {"A100", 312, "A100"},           {"A800", 312, "A800"},           {"A10", 125, "A10"},
-    {"L40S", 362, "L40S"},           {"L40", 181, "L40"},             {"L4", 121, "L4"},
-    {"RTX 4090", 165, "RTX 4090"},
-};
-
-// Does `name` appear in `device` as a whole word ("H20" not in "H200")?
-static bool device_is(const char *device, const char *name) {
-  size_t n = strlen(name);
-  for (const char *p = strstr(device, name); p; p = strstr(p + 1, name))
-    if ((p == device || p[-1] == ' ') && (p[n] == 0 || p[n] == ' ' || p[n] == '-'))
-      return true;
-  return false;
-}
-
-double cuda_bf16_peak(const CudaDevice *d, char *how, size_t n) {
-  for (size_t i = 0; i < sizeof device_peaks / sizeof *device_peaks; i++)
-    if (device_is(d->name, device_peaks[i].name)) {
-      snprintf(how, n, "%.0f TFLOP/s: %s bf16 dense peak", device_peaks[i].tflops, device_peaks[i].what);
-      return device_peaks[i].tflops * 1e12;
-    }
-  // Otherwise the arch's bf16 tensor-core flops per SM and clock (with f32 accumulation: the consumer
-  // parts of sm_86, sm_89 and sm_120 at half their datacenter siblings' rate), at 1.7 GHz.
-  int cc = atoi(d->arch + 3), major = cc / 10, minor = cc % 10; // ("sm_90": 9.0, "sm_120": 12.0)
-  int per_sm = major >= 10 && major < 11 ? 8192 : major == 9 ? 4096 : major == 8 && minor == 0 ? 2048 : 512;
-  snprintf(how, n, "%.0f TFLOP/s: bf16 dense peak estimated as %d SMs x %d flops a clock x 1.7 GHz (%s)",
-           d->sm_count * per_sm * 1.7e9 / 1e12, d->sm_count, per_sm, d->arch);
-  return d->sm_count * per_sm * 1.7e9;
-}
-
-//
-// cuBLASLt: the few types and functions we use (from cublasLt.h).
-//
-typedef int cublasStatus_t;
-typedef struct cublasLtContext *cublasLtHandle_t;
-typedef struct cublasLtMatmulDescOpaque *cublasLtMatmulDesc_t;
-typedef struct cublasLtMatrixLayoutOpaque *cublasLtMatrixLayout_t;
-typedef struct cublasLtMatmulPreferenceOpaque *cublasLtMatmulPreference_t;
-typedef struct {
-  uint64_t data[8];
-} cublasLtMatmulAlgo_t;
-typedef struct {
-  cublasLtMatmulAlgo_t algo;
-  size_t workspaceSize;
-  cublasStatus_t state;
-  float wavesCount;
-  int reserved[4];
-} cublasLtMatmulHeuristicResult_t;
-
-enum {
-  CUBLAS_STATUS_SUCCESS = 0,
-  CUBLAS_COMPUTE_32F = 68,
-  CUDA_R_32F = 0,
-  CUDA_R_16BF = 14,
-  CUDA_R_8F_E4M3 = 28,
-  CUDA_R_8F_E5M2 = 29,
-  CUBLAS_OP_N = 0,
-  CUBLAS_OP_T = 1,
-  CUBLASLT_MATMUL_DESC_TRANSA = 3,
-  CUBLASLT_MATMUL_DESC_TRANSB = 4,
-  CUBLASLT_MATMUL_DESC_EPILOGUE = 7,
-  CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
-  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,
-  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
-  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE = 13,
-  CUBLASLT_MATMUL_DESC_A_SCALE_POINTER = 17,
-  CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 18,
-  CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26,
-  CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5,
-  CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = 6,
-  CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
-  CUBLASLT_EPILOGUE_DEFAULT = 1,
-  CUBLASLT_EPILOGUE_BIAS = 4,
-  CUBLASLT_EPILOGUE_GELU = 32,
-  CUBLASLT_EPILOGUE_GELU_AUX = 32 | 128,
-  CUBLASLT_EPILOGUE_GELU_BIAS = 32 | 4,
-  CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4,
-  LT_WORKSPACE_BYTES = 32 << 20, // what cuBLASLt asks for on Hopper
-  LT_CANDIDATES = 8,             // algorithms the heuristic is asked for, timed when the engine is built
-  LT_TUNE_RUNS = 3,              // timed runs of each candidate (after one untimed)
-};
-
-#define LT_FUNCTIONS(X)                                                                                        \
-  X(cublasStatus_t, cublasLtCreate, (cublasLtHandle_t * h))                                                   \
-  X(cublasStatus_t, cublasLtDestroy, (cublasLtHandle_t h))                                                    \
-  X(const char *, cublasLtGetStatusName, (cublasStatus_t s))                                                  \
-  X(size_t, cublasLtGetVersion, (void))                                                                       \
-  X(cublasStatus_t, cublasLtMatmulDescCreate, (cublasLtMatmulDesc_t * d, int compute, int scale))            \
-  X(cublasStatus_t, cublasLtMatmulDescSetAttribute, (cublasLtMatmulDesc_t d, int attr, const void *v, size_t n)) \
-  X(cublasStatus_t, cublasLtMatmulDescDestroy, (cublasLtMatmulDesc_t d))                                      \
-  X(cublasStatus_t, cublasLtMatrixLayoutCreate,                                                               \
-    (cublasLtMatrixLayout_t * l, int type, uint64_t rows, uint64_t cols, int64_t ld))                         \
-  X(cublasStatus_t, cublasLtMatrixLayoutSetAttribute,                                                         \
-    (cublasLtMatrixLayout_t l, int attr, const void *v, size_t n))                                            \
-  X(cublasStatus_t, cublasLtMatrixLayoutDestroy, (cublasLtMatrixLayout_t l))                                  \
-  X(cublasStatus_t, cublasLtMatmulPreferenceCreate, (cublasLtMatmulPreference_t * p))                         \
-  X(cublasStatus_t, cublasLtMatmulPreferenceSetAttribute,                                                     \
-    (cublasLtMatmulPreference_t p, int attr, const void *v, size_t n))                                        \
-  X(cublasStatus_t, cublasLtMatmulPreferenceDestroy, (cublasLtMatmulPreference_t p))                          \
-  X(cublasStatus_t, cublasLtMatmulAlgoGetHeuristic,                                                           \
-    (cublasLtHandle_t h, cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,          \
-     cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t dl, cublasLtMatmulPreference_t p, int want,             \
-     cublasLtMatmulHeuristicResult_t *res, int *got))                                                         \
-  X(cublasStatus_t, cublasLtMatmul,                                                                           \
-    (cublasLtHandle_t h, cublasLtMatmulDesc_t d, const void *alpha, const void *a, cublasLtMatrixLayout_t al, \
-     const void *b, cublasLtMatrixLayout_t bl, const void *beta, const void *c, cublasLtMatrixLayout_t cl,    \
-     void *dd, cublasLtMatrixLayout_t dl, const cublasLtMatmulAlgo_t *algo, void *ws, size_t wsn, CUstream s))
-
-typedef struct {
-  void *so;
-  char path[512]; // what $MDL_LIBCUBLASLT named when it was opened ("" for the default places)
-#define X(ret, name, params) ret(*name) params;
-  LT_FUNCTIONS(X)
-#undef X
-} Lt;
-
-static Lt lt;
-
-static bool lt_ok(cublasStatus_t s, const char *fn, char *err, size_t n) {
-  if (s == CUBLAS_STATUS_SUCCESS)
-    return true;
-  const char *name = lt.cublasLtGetStatusName ? lt.cublasLtGetStatusName(s) : NULL;
-  return rt_fail(err, n, "%s: %s", fn, name ? name : "unknown cuBLAS status");
-}
-#define LT(err, n, fn, ...) lt_ok(lt.fn(__VA_ARGS__), #fn, err, n)
-
-// Opens cuBLASLt (once per $MDL_LIBCUBLASLT) and resolves every function we use.
-static bool lt_open(char *err, size_t n) {
-  const char *env = getenv("MDL_LIBCUBLASLT");
-  env = env ? env : "";
-  if (lt.so && !strcmp(lt.path, env))
-    return true;
-  const char *paths[] = {*env ? env : "libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so",
-                         "/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.12",
-                         "/usr/local/cuda/lib64/libcublasLt.so"};
-  void *so = NULL;
-  for (size_t i = 0; i < (*env ? 1 : sizeof paths / sizeof *paths) && !so; i++)
-    so = dlopen(paths[i], RTLD_NOW | RTLD_LOCAL);
-  if (!so)
-    return *env ? rt_fail(err, n, "cuBLASLt not found (%s)", dlerror())
-                : rt_fail(err, n, "cuBLASLt not found (libcublasLt.so.13 or .12, libcublasLt.so, "
-                                  "/usr/local/cuda/lib64)");
-  Lt t = {.so = so};
-  snprintf(t.path, sizeof t.path, "%s", env);
-#define X(ret, name, params)                                                                                   \
-  if (!(*(void **)&t.name = dlsym(so, #name))) {                                                               \
-    dlclose(so);                                                                                               \
-    return rt_fail(err, n, "cuBLASLt lacks %s", #name);                                                           \
-  }
-  LT_FUNCTIONS(X)
-#undef X
-  lt = t;
-  return true;
-}
-
-static int lt_type(DType t) {
-  return t == DT_BF16 ? CUDA_R_16BF : t == DT_F8E4M3 ? CUDA_R_8F_E4M3 : t == DT_F8E5M2 ? CUDA_R_8F_E5M2 : CUDA_R_32F;
-}
-
-int cuda_compute_capability(const CudaDevice *d) {
-  int cc = 0;
-  return sscanf(d->arch, "sm_%d", &cc) == 1 ? cc : 0;
-}
-
-// One GEMM ready to run: its element types, descriptors and algorithm, all in cuBLASLt's
-// column-major view (operands swapped, see the top of the file); cand: the heuristic's candidates,
-// best first, of which lt_gemm_tune keeps the fastest in algo.
-typedef struct {
-  cublasLtMatmulDesc_t desc;
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatmulAlgo_t algo, cand[LT_CANDIDATES];
-  int ncand;
-  CUdeviceptr a, b, c; // cuBLASLt's A (our B), B (our A), D
-  CUdeviceptr cin;     // C: D itself, or the out-of-place C (CudaGemm.c_apart) of D's layout
-  float beta;
-} LtGemm;
-
-static void lt_gemm_free(LtGemm *q) {
-  if (q->desc)
-    lt.cublasLtMatmulDescDestroy(q->desc);
-  if (q->la)
-    lt.cublasLtMatrixLayoutDestroy(q->la);
-  if (q->lb)
-    lt.cublasLtMatrixLayoutDestroy(q->lb);
-  if (q->lc)
-    lt.cublasLtMatrixLayoutDestroy(q->lc);
-  *q = (LtGemm){0};
-}
-
-static bool lt_layout(cublasLtMatrixLayout_t *l, int type, int64_t rows, int64_t cols, int64_t ld, int32_t batch,
-                      int64_t stride, char *err, size_t n) {
-  return LT(err, n, cublasLtMatrixLayoutCreate, l, type, (uint64_t)rows, (uint64_t)cols, ld) &&
-         (batch <= 1 ||
-          (LT(err, n, cublasLtMatrixLayoutSetAttribute, *l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof batch) &&
-           LT(err, n, cublasLtMatrixLayoutSetAttribute, *l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
-              sizeof stride)));
-}
-
-// Builds the descriptors of row-major C = op(A) op(B) (+ epilogue) on the arena at `base` and asks
-// the heuristic for an algorithm that fits the workspace.
-static bool lt_gemm_new(LtGemm *q, cublasLtHandle_t h, const CudaGemm *gm, CUdeviceptr base, char *err, size_t n) {
-  *q = (LtGemm){.a = base + (CUdeviceptr)gm->b, .b = base + (CUdeviceptr)gm->a, .c = base + (CUdeviceptr)gm->c,
-                .cin = base + (CUdeviceptr)(gm->c_apart ? gm->cin : gm->c), .beta = gm->beta};
-  bool fp8 = gm->ab == DT_F8E4M3 || gm->ab == DT_F8E5M2;
-  int ta_type = lt_type(fp8 ? gm->b_fp8 : gm->ab), tb_type = lt_type(gm->ab), cd = lt_type(gm->c_type);
-  // (fp8: cuBLASLt multiplies the f32 sums by its A's and B's scale, our B's and A's 1 / scale, read
-  // from the arena when the GEMM runs, so a graph captured once follows the scales of every step)
-  void *a_scale = fp8 ? (void *)(uintptr_t)(base + (CUdeviceptr)gm->b_scale) : NULL;
-  void *b_scale = fp8 ? (void *)(uintptr_t)(base + (CUdeviceptr)gm->a_scale) : NULL;
-  int32_t ta = gm->tb ? CUBLAS_OP_T : CUBLAS_OP_N, tb = gm->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-  int32_t batch = (int32_t)(gm->batch > 1 ? gm->batch : 1);
-  // A row-major [r, c] matrix with leading dimension ld is the column-major [c, r] one with the same
-  // ld: cuBLASLt's A (our B, [k, n] or [n, k] when tb) and B (our A, [m, k] or [k, m] when ta).
-  int64_t a_rows = gm->tb ? gm->k : gm->n, a_cols = gm->tb ? gm->n : gm->k;
-  int64_t b_rows = gm->ta ? gm->m : gm->k, b_cols = gm->ta ? gm->k : gm->m;
-  uint32_t epi = CUBLASLT_EPILOGUE_DEFAULT;
-  switch (gm->epilogue) {
-  case CUDA_EPI_NONE: break;
-  case CUDA_EPI_BIAS: epi = CUBLASLT_EPILOGUE_BIAS; break;
-  case CUDA_EPI_GELU: epi = gm->aux >= 0 ? CUBLASLT_EPILOGUE_GELU_AUX : CUBLASLT_EPILOGUE_GELU; break;
-  case CUDA_EPI_BIAS_GELU: epi = gm->aux >= 0 ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS; break;
-  }
-  void *bias = gm->bias >= 0 ? (void *)(uintptr_t)(base + (CUdeviceptr)gm->bias) : NULL;
-  void *aux = gm->aux >= 0 ? (void *)(uintptr_t)(base + (CUdeviceptr)gm->aux) : NULL;
-  int64_t aux_ld = gm->ldc;
-  int32_t bias_type = CUDA_R_32F;
-  bool ok = LT(err, n, cublasLtMatmulDescCreate, &q->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) &&
-            LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) &&
-            LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) &&
-            LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) &&
-            (!bias || (LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                          sizeof bias) &&
-                       LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                          &bias_type, sizeof bias_type))) &&
-            (!aux || (LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                         &aux, sizeof aux) &&
-                      LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
-                         &aux_ld, sizeof aux_ld) &&
-                      (batch <= 1 || LT(err, n, cublasLtMatmulDescSetAttribute, q->desc,
-                                        CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, &gm->stride_c,
-                                        sizeof gm->stride_c)))) &&
-            (!fp8 || (LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                         &a_scale, sizeof a_scale) &&
-                      LT(err, n, cublasLtMatmulDescSetAttribute, q->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                         &b_scale, sizeof b_scale))) &&
-            lt_layout(&q->la, ta_type, a_rows, a_cols, gm->ldb, batch, gm->stride_b, err, n) &&
-            lt_layout(&q->lb, tb_type, b_rows, b_cols, gm->lda, batch, gm->stride_a, err, n) &&
-            lt_layout(&q->lc, cd, gm->n, gm->m, gm->ldc, batch, gm->stride_c, err, n);
-  if (!ok) {
-    lt_gemm_free(q);
-    return false;
-  }
-  cublasLtMatmulPreference_t pref = NULL;
-  uint64_t ws = LT_WORKSPACE_BYTES;
-  cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
-  int got = 0;
-  ok = LT(err, n, cublasLtMatmulPreferenceCreate, &pref) &&
-       LT(err, n, cublasLtMatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-          sizeof ws) &&
-       LT(err, n, cublasLtMatmulAlgoGetHeuristic, h, q->desc, q->la, q->lb, q->lc, q->lc, pref, LT_CANDIDATES, res,
-          &got);
-  if (pref)
-    lt.cublasLtMatmulPreferenceDestroy(pref);
-  if (ok && got < 1)
-    ok = rt_fail(err, n, "cublasLtMatmulAlgoGetHeuristic: no algorithm");
-  if (!ok) {
-    lt_gemm_free(q);
-    return false;
-  }
-  for (int i = 0; i < got && i < LT_CANDIDATES; i++)
-    if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= LT_WORKSPACE_BYTES)
-      q->cand[q->ncand++] = res[i].algo;
-  if (q->ncand == 0)
-    q->cand[q->ncand++] = res[0].algo;
-  q->algo = q->cand[0];
-  return true;
-}
-
-static bool lt_gemm_run(const LtGemm *q, cublasLtHandle_t h, CUdeviceptr ws, CUstream s, char *err, size_t n) {
-  const float one = 1.0f;
-  return LT(err, n, cublasLtMatmul, h, q->desc, &one, (const void *)(uintptr_t)q->a, q->la,
-            (const void *)(uintptr_t)q->b, q->lb, &q->beta, (const void *)(uintptr_t)q->cin, q->lc,
-            (void *)(uintptr_t)q->c, q->lc, &q->algo, (void *)(uintptr_t)ws, LT_WORKSPACE_BYTES, s);
-}
-
-//
-// The engine.
-//
-typedef struct {
-  Engine e;
-  const MemPlan *m;
-  const CudaPlan *plan;
-  CudaDevice dev;
-  CUcontext ctx;
-  CUmodule *mods;     // one per cubin of the module (nvrtc_compile_units); each kernel is in one of them
-  int nmods;
-  CUstream stream;
-  CUdeviceptr arena, status, workspace;
-  CUdeviceptr seed_dev; // the kernels' seed argument points here; written before each step
-  cublasLtHandle_t lt;
-  LtGemm *gemms;      // per CudaPlan.gemms
-  bool tune;          // time the heuristic's candidates of each GEMM (engine_cuda's tune_gemms)
-  int retuned;        // GEMMs whose fastest candidate was not the heuristic's first
-  int kinds;          // GEMMs timed: one of each kind (same_kind)
-  bool tune_kernels;  // time the kernels that have a variant against it (engine_cuda's tune_kernels)
-  bool *alt;          // per CudaPlan.launches: runs the kernel's variant (CudaLaunch.alt)
-  int variants, on_alt; // distinct kernels with a variant, and how many of them run it
-  char timed[1024];     // each such kernel's time and its variant's, when timed ("kN_x 0.262, _w4 0.231 ms")
-  CUfunction *fns;    // per CudaPlan.launches (NULL for a GEMM)
-  CUgraph graph;
-  CUgraphExec exec;
-  char *staging;      // host copy of the inputs and scalars, arena bytes [lo, hi)
-  int64_t lo, hi;
-  bool *on_device;    // per node: an input set on the device (Engine.inputs_from), not from staging
-  int ndevice;        // how many
-  CUfunction accumulate; // the prelude's mdl_accumulate (y += x), for inputs_from
-  uint64_t seed;      // the next step's seed (Engine.set_seed), copied to seed_dev before the step
-  ParamDraw draw;     // the initial parameters still to be drawn (on the host) and sent up
-  CUdeviceptr snap;     // Engine.snapshot: the flat buffers params, m and v, one after the other
-  CUstream snap_stream; // Engine.read_snapshot's copies (from the checkpoint writer's thread)
-  bool snap_refused;    // the snapshot's allocation failed once: checkpoints read between steps
-  CUevent *marks;         // --profile: an event before each launch, and one at the end
-  int nmarks;
-  double *launch_seconds; //   each launch's time, summed over the steps after the first
-  void *nccl;             // Engine.set_nccl: the ranks' communicator, or NULL
-  const bool *poison;     //   NaN gradients this step
-  GradRange *ranges;      //   the gradients the optimizer reads (engine_grad_ranges)
-  int nranges;
-  CUevent *red;           //   before and after each range's all-reduce
-  int nred;               //   (pairs created)
-  int64_t *zero_at;       // Engine.set_shard: the ranks' shares of the params and copies (floats), or NULL
-  int zero_ranks;
-  CUevent gathered[2];    //   before and after their all-gather
-  // Precision fp8 (fp8_step): the scaling state (Engine.fp8), the scales and 1 / scales as sent up,
-  // the step cut at the optimizer's first launch (a graph each side: graph and exec above are the
-  // first part), and a gradient the optimizer reads, made NaN when an amax is not finite.
-  Fp8State fp8;
-  float *fp8_up;          //   scale [n], then 1 / scale [n]: the region's first 8n bytes
-  int opt_launch;         //   the optimizer's first launch (nlaunches: none)
-  CUgraph graph_opt;      //   launches [opt_launch, nlaunches)
-  CUgraphExec exec_opt;
-  int64_t fp8_poison;     //   its arena offset, or -1
-  bool fp8_bad;           //   this step's amaxes: one is not finite (the state is not rolled)
-  bool (*fp8_fn)(void *ctx, float *amax, int n, char *err, size_t en); // Engine.set_fp8_amax's, or NULL
-  void *fp8_ctx;
-  const float *fp8_lead;  //   Engine.set_fp8_lead's scales: a micro-batch's pass of another engine's step
-  int next_range;         //   Engine.set_nccl: the first of `ranges` not yet reduced this step
-} CudaEngine;
 
 static bool staged(const IrNode *nd) { return nd->op == OP_INPUT || nd->op == OP_SCALAR; }
 
@@ -951,7 +348,7 @@ static bool nccl_reduce(CudaEngine *ce, int step, char *err, size_t n) {
     CUdeviceptr x = ce->arena + (CUdeviceptr)ce->ranges[r].from;
     size_t count = (size_t)(ce->ranges[r].to - ce->ranges[r].from) / 4;
     ok = CU(err, n, cuEventRecord, ce->red[2 * r], ce->stream);
-    if (ok && *ce->poison && drv.cuMemsetD32Async) // (a NaN, as float bits)
+    if (ok && *ce->poison && cuda_drv.cuMemsetD32Async) // (a NaN, as float bits)
       ok = CU(err, n, cuMemsetD32Async, x, 0x7fc00000u, count, ce->stream);
     ok = ok && dist_nccl_mean_f32(ce->nccl, (void *)x, (int64_t)count, ce->stream, err, n) &&
          CU(err, n, cuEventRecord, ce->red[2 * r + 1], ce->stream);
@@ -988,6 +385,14 @@ static bool nccl_launches(CudaEngine *ce, int first, int last, bool comm, char *
 static bool nccl_step(CudaEngine *ce, char *err, size_t n) {
   return CU(err, n, cuMemsetD8Async, ce->status, 0, sizeof(MdlStatus), ce->stream) &&
          nccl_launches(ce, 0, ce->plan->nlaunches, true, err, n);
+}
+
+const char *cuda_error_what(long long code) {
+  switch (code) {
+  case CUDA_ERR_EMBED_ID: return "embed: id";
+  case CUDA_ERR_TARGET: return "cross_entropy: target";
+  default: return "error";
+  }
 }
 
 static bool cu_step(Engine *e, char *err, size_t n) {
@@ -1076,10 +481,10 @@ static bool cu_snapshot(Engine *e) {
   }
   const int nr = 1 + m->moments; // the parameters and the moments the optimizer keeps
   if (!ce->snap) {
-    if (drv.cuMemAlloc(&ce->snap, (size_t)nr * (size_t)m->param_bytes) != CUDA_SUCCESS ||
-        drv.cuStreamCreate(&ce->snap_stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+    if (cuda_drv.cuMemAlloc(&ce->snap, (size_t)nr * (size_t)m->param_bytes) != CUDA_SUCCESS ||
+        cuda_drv.cuStreamCreate(&ce->snap_stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
       if (ce->snap)
-        drv.cuMemFree(ce->snap);
+        cuda_drv.cuMemFree(ce->snap);
       ce->snap = 0;
       ce->snap_stream = NULL;
       ce->snap_refused = true;
@@ -1200,7 +605,7 @@ static bool cu_set_nccl(Engine *e, void *comm, const bool *poison) {
   if (!e->fusion || !(ce->ranges = engine_grad_ranges(e->fusion, ce->m, 0, &ce->nranges)))
     return false;
   for (int i = 0; ce->red && i < 2 * ce->nred; i++)
-    drv.cuEventDestroy(ce->red[i]);
+    cuda_drv.cuEventDestroy(ce->red[i]);
   free(ce->red);
   ce->nred = 0;
   if (!(ce->red = calloc(2 * (size_t)ce->nranges, sizeof *ce->red)))
@@ -1238,7 +643,7 @@ static bool cu_set_shard(Engine *e, const ZeroShard *s, bool (*gather)(void *ctx
   for (int i = 0; ok && i < ce->nmods; i++) {
     CUdeviceptr ptr;
     size_t bytes = 0;
-    if (ce->mods[i] && drv.cuModuleGetGlobal(&ptr, &bytes, ce->mods[i], "mdl_own") == CUDA_SUCCESS &&
+    if (ce->mods[i] && cuda_drv.cuModuleGetGlobal(&ptr, &bytes, ce->mods[i], "mdl_own") == CUDA_SUCCESS &&
         bytes == sizeof own)
       ok = upload_to(ce, ptr, own, sizeof own, err, sizeof err);
   }
@@ -1260,43 +665,43 @@ static void cu_free(Engine *e) {
   free(ce->ranges);
   for (int i = 0; ce->red && i < 2 * ce->nred; i++)
     if (ce->red[i])
-      drv.cuEventDestroy(ce->red[i]);
+      cuda_drv.cuEventDestroy(ce->red[i]);
   free(ce->red);
   for (int i = 0; i < 2; i++)
     if (ce->gathered[i])
-      drv.cuEventDestroy(ce->gathered[i]);
+      cuda_drv.cuEventDestroy(ce->gathered[i]);
   if (ce->stream)
-    drv.cuStreamSynchronize(ce->stream);
+    cuda_drv.cuStreamSynchronize(ce->stream);
   for (int i = 0; i < ce->nmarks; i++)
-    drv.cuEventDestroy(ce->marks[i]);
+    cuda_drv.cuEventDestroy(ce->marks[i]);
   if (ce->snap_stream)
-    drv.cuStreamDestroy(ce->snap_stream);
+    cuda_drv.cuStreamDestroy(ce->snap_stream);
   if (ce->snap)
-    drv.cuMemFree(ce->snap);
+    cuda_drv.cuMemFree(ce->snap);
   if (ce->exec)
-    drv.cuGraphExecDestroy(ce->exec);
+    cuda_drv.cuGraphExecDestroy(ce->exec);
   if (ce->graph)
-    drv.cuGraphDestroy(ce->graph);
+    cuda_drv.cuGraphDestroy(ce->graph);
   if (ce->exec_opt)
-    drv.cuGraphExecDestroy(ce->exec_opt);
+    cuda_drv.cuGraphExecDestroy(ce->exec_opt);
   if (ce->graph_opt)
-    drv.cuGraphDestroy(ce->graph_opt);
+    cuda_drv.cuGraphDestroy(ce->graph_opt);
   for (int i = 0; ce->gemms && i < ce->plan->ngemms; i++)
     lt_gemm_free(&ce->gemms[i]);
   if (ce->lt)
-    lt.cublasLtDestroy(ce->lt);
+    cuda_lt.cublasLtDestroy(ce->lt);
   if (ce->stream)
-    drv.cuStreamDestroy(ce->stream);
+    cuda_drv.cuStreamDestroy(ce->stream);
   CUdeviceptr bufs[] = {ce->arena, ce->status, ce->workspace, ce->seed_dev};
   for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
     if (bufs[i])
-      drv.cuMemFree(bufs[i]);
+      cuda_drv.cuMemFree(bufs[i]);
   for (int i = 0; i < ce->nmods; i++)
     if (ce->mods[i])
-      drv.cuModuleUnload(ce->mods[i]);
+      cuda_drv.cuModuleUnload(ce->mods[i]);
   free(ce->mods);
   if (ce->ctx)
-    drv.cuDevicePrimaryCtxRelease(ce->dev.ordinal);
+    cuda_drv.cuDevicePrimaryCtxRelease(ce->dev.ordinal);
   free(ce->gemms);
   free(ce->fns);
   free(ce->alt);
@@ -1309,22 +714,6 @@ static void cu_free(Engine *e) {
   free(ce->fp8_up);
   param_draw_free(&ce->draw);
   free(ce);
-}
-
-// The driver has every entry point the engine calls.
-static bool driver_complete(char *err, size_t n) {
-  struct {
-    const char *name;
-    void *fn;
-  } fns[] = {
-#define X(name, versioned, params) {#name, (void *)drv.name},
-      CU_FUNCTIONS(X)
-#undef X
-  };
-  for (size_t i = 0; i < sizeof fns / sizeof *fns; i++) // (cuMemsetD32Async: only data parallel's NaN
-    if (!fns[i].fn && strcmp(fns[i].name, "cuMemsetD32Async")) // guard, which a driver without it skips)
-      return rt_fail(err, n, "the CUDA driver %s lacks %s", drv.path, fns[i].name);
-  return true;
 }
 
 // The arena zeroed; the parameters come when first needed (cu_params).
@@ -1347,121 +736,6 @@ static bool init_staging(CudaEngine *ce, const Graph *g, char *err, size_t n) {
   ce->staging = calloc((size_t)(ce->hi - ce->lo) + 1, 1);
   ce->on_device = calloc((size_t)g->n, sizeof *ce->on_device);
   return (ce->staging && ce->on_device) || rt_fail(err, n, "out of host memory");
-}
-
-// Times each of the heuristic's candidates for GEMM q on the arena (one untimed run, then
-// LT_TUNE_RUNS between two events) and keeps the fastest in q->algo; a candidate that fails to run
-// is passed over (where none runs, the first is kept, for the eager run to report). Returns the index
-// of the one kept (0: the heuristic's first), -1 on a CUDA error. The runs write the GEMM's output,
-// and those that accumulate (beta 1) add to it: harmless before the first step, which computes
-// every activation and gradient afresh.
-static int lt_gemm_tune(CudaEngine *ce, LtGemm *q, CUevent ev[2], char *err, size_t n) {
-  int best = 0;
-  float best_ms = INFINITY;
-  for (int c = 0; c < q->ncand && q->ncand > 1; c++) {
-    char why[256];
-    q->algo = q->cand[c];
-    bool ran = lt_gemm_run(q, ce->lt, ce->workspace, ce->stream, why, sizeof why);
-    if (!ran)
-      continue;
-    if (!CU(err, n, cuEventRecord, ev[0], ce->stream))
-      return -1;
-    for (int r = 0; ran && r < LT_TUNE_RUNS; r++)
-      ran = lt_gemm_run(q, ce->lt, ce->workspace, ce->stream, why, sizeof why);
-    float ms = 0;
-    if (!CU(err, n, cuEventRecord, ev[1], ce->stream) || !CU(err, n, cuEventSynchronize, ev[1]) ||
-        !CU(err, n, cuEventElapsedTime, &ms, ev[0], ev[1]))
-      return -1;
-    if (ran && ms < best_ms)
-      best_ms = ms, best = c;
-  }
-  q->algo = q->cand[best];
-  return best;
-}
-
-// The alignment of a byte offset in the arena, up to 256 (cuBLASLt's kernels ask for up to that);
-// -1 for none.
-static int64_t alignment(int64_t off) {
-  int64_t a = off & -off;
-  return off < 0 ? -1 : off == 0 || a > 256 ? 256 : a;
-}
-
-// Two GEMMs cuBLASLt tells apart only by their addresses: the same descriptors (types, transposes,
-// shapes, leading dimensions, batches and strides, epilogue, beta, C apart) and addresses of the same
-// alignments. The heuristic offers both the same candidates, at the same speeds: one is timed, the
-// other runs on its choice. GPT-2 124M's 150 GEMMs are 16 kinds (each layer's, and the LM head's
-// chunks, the same 3 to 7); timing each GEMM apart also let timing noise give layers of one shape
-// different algorithms.
-static bool same_kind(const CudaGemm *x, const CudaGemm *y) {
-  return x->ab == y->ab && x->b_fp8 == y->b_fp8 && x->c_type == y->c_type && x->ta == y->ta && x->tb == y->tb &&
-         x->m == y->m && x->n == y->n && x->k == y->k && x->lda == y->lda && x->ldb == y->ldb && x->ldc == y->ldc &&
-         x->batch == y->batch && x->stride_a == y->stride_a && x->stride_b == y->stride_b &&
-         x->stride_c == y->stride_c && x->beta == y->beta && x->epilogue == y->epilogue && x->c_apart == y->c_apart &&
-         alignment(x->a) == alignment(y->a) && alignment(x->b) == alignment(y->b) &&
-         alignment(x->c) == alignment(y->c) && alignment(x->bias) == alignment(y->bias) &&
-         alignment(x->aux) == alignment(y->aux) && alignment(x->c_apart ? x->cin : -1) ==
-         alignment(y->c_apart ? y->cin : -1);
-}
-
-// An earlier GEMM of i's kind with the same candidates, whose choice i takes; -1 when there is none.
-static int tuned_twin(const CudaEngine *ce, int i, const int *kept) {
-  const LtGemm *q = &ce->gemms[i];
-  for (int j = 0; j < i; j++) {
-    const LtGemm *r = &ce->gemms[j];
-    if (kept[j] >= 0 && same_kind(&ce->plan->gemms[j], &ce->plan->gemms[i]) && r->ncand == q->ncand &&
-        !memcmp(r->cand, q->cand, sizeof *q->cand * (size_t)q->ncand))
-      return j;
-  }
-  return -1;
-}
-
-// Descriptors and algorithms for every GEMM (the fastest of the heuristic's candidates, timed here
-// for one GEMM of each kind), each then run once eagerly: this checks every call with a precise
-// message before capture, and loads cuBLASLt's kernels outside it.
-static bool init_gemms(CudaEngine *ce, const Fusion *f, char *err, size_t n) {
-  const CudaPlan *p = ce->plan;
-  ce->gemms = calloc((size_t)p->ngemms + 1, sizeof *ce->gemms);
-  int *kept_of = calloc((size_t)p->ngemms + 1, sizeof *kept_of);
-  if (!ce->gemms || !kept_of) {
-    free(kept_of);
-    return rt_fail(err, n, "out of host memory");
-  }
-  if (!LT(err, n, cublasLtCreate, &ce->lt)) {
-    free(kept_of);
-    return false;
-  }
-  CUevent ev[2] = {NULL, NULL};
-  bool ok = CU(err, n, cuEventCreate, &ev[0], 0) && CU(err, n, cuEventCreate, &ev[1], 0);
-  for (int i = 0; ok && i < p->ngemms; i++) {
-    const CudaGemm *gm = &p->gemms[i];
-    char why[256] = "";
-    int kept = -2; // the index of the candidate kept, -1 on a CUDA error, -2 when there is none
-    if (lt_gemm_new(&ce->gemms[i], ce->lt, gm, ce->arena, why, sizeof why)) {
-      int twin = ce->tune ? tuned_twin(ce, i, kept_of) : -1;
-      if (twin >= 0) {
-        kept = kept_of[twin];
-        ce->gemms[i].algo = ce->gemms[twin].algo;
-      } else {
-        kept = ce->tune ? lt_gemm_tune(ce, &ce->gemms[i], ev, err, n) : 0;
-        ce->kinds += ce->tune;
-      }
-    }
-    kept_of[i] = kept;
-    ce->retuned += kept > 0;
-    if (kept == -1)
-      ok = false;
-    else if (kept == -2 || !lt_gemm_run(&ce->gemms[i], ce->lt, ce->workspace, ce->stream, why, sizeof why))
-      ok = rt_fail(err, n, "GEMM %d of step %s (%s[%lld x %lld] = %s%s[%lld x %lld] %s%s[%lld x %lld]): %s", i,
-                   f->steps[gm->step].name, dtype_name(gm->c_type), (long long)gm->m, (long long)gm->n,
-                   dtype_name(gm->ab), gm->ta ? "T" : "", (long long)gm->m, (long long)gm->k,
-                   gm->ab == DT_F8E4M3 || gm->ab == DT_F8E5M2 ? dtype_name(gm->b_fp8) : "", gm->tb ? "T" : "",
-                   (long long)gm->k, (long long)gm->n, why);
-  }
-  for (int i = 0; i < 2; i++)
-    if (ev[i])
-      drv.cuEventDestroy(ev[i]);
-  free(kept_of);
-  return ok && CU(err, n, cuStreamSynchronize, ce->stream);
 }
 
 // The kernel that launch i runs: the plan's, or its variant where that was timed faster.
@@ -1487,7 +761,7 @@ static bool launch(CudaEngine *ce, int i, CUfunction fn, bool alt, char *err, si
 // Kernel `name` from the module that has it.
 static bool get_function(CudaEngine *ce, const char *name, CUfunction *fn, char *err, size_t n) {
   for (int i = 0; i < ce->nmods; i++)
-    if (drv.cuModuleGetFunction(fn, ce->mods[i], name) == CUDA_SUCCESS)
+    if (cuda_drv.cuModuleGetFunction(fn, ce->mods[i], name) == CUDA_SUCCESS)
       return true;
   return rt_fail(err, n, "cuModuleGetFunction: no kernel %s in the module's %d cubin%s", name, ce->nmods,
                  ce->nmods == 1 ? "" : "s");
@@ -1585,7 +859,7 @@ static bool tune_variants(CudaEngine *ce, char *err, size_t n) {
   }
   for (int i = 0; i < 2; i++)
     if (ev[i])
-      drv.cuEventDestroy(ev[i]);
+      cuda_drv.cuEventDestroy(ev[i]);
   return ok && CU(err, n, cuStreamSynchronize, ce->stream);
 }
 
@@ -1669,8 +943,8 @@ static bool init_fp8(CudaEngine *ce, const Fusion *f, const MemPlan *m, char *er
   return true;
 }
 
-Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, bool tune_kernels, char *err,
-                    size_t n) {
+Engine *engine_cuda(const Fusion *f, const MemPlan *m, const CudaPlan *plan, uint64_t seed, bool tune_gemms,
+                    bool tune_kernels, char *err, size_t n) {
   CudaEngine *ce = calloc(1, sizeof *ce);
   if (!ce) {
     rt_fail(err, n, "out of host memory");
@@ -1690,10 +964,10 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
     rt_fail(err, n, "out of host memory");
     return drop_early(ce);
   }
-  if (!driver_device(&ce->dev, err, n) || !driver_complete(err, n) || !lt_open(err, n) ||
+  if (!cu_driver_device(&ce->dev, err, n) || !cu_driver_complete(err, n) || !lt_open(err, n) ||
       !nvrtc_available(err, n))
     return drop_early(ce);
-  ce->plan = emit_cuda_plan(f, m, f->g->model ? f->g->model : "model");
+  ce->plan = plan;
   if (!ce->plan) {
     rt_fail(err, n, "the CUDA emitter could not emit %s", f->g->model ? f->g->model : "the model");
     return drop_early(ce);
@@ -1724,7 +998,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
   // (the set-up's parts, timed for the "cuda:" line: the module and memory, the GEMMs' tuning, the
   // kernel variants' timing, the graph's capture)
   double t_memory = rt_now();
-  ok = ok && init_gemms(ce, f, err, n);
+  ok = ok && lt_init_gemms(ce, f, err, n);
   double t_gemms = rt_now();
   ok = ok && tune_variants(ce, err, n);
   double t_variants = rt_now();
@@ -1742,7 +1016,7 @@ Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_
     ce->accumulate = NULL; // (a module without it: inputs_from declines and the host adds)
   ce->e.device_bytes = ce->plan->arena_bytes + LT_WORKSPACE_BYTES + (int64_t)(sizeof(MdlStatus) + sizeof ce->seed);
   size_t free_bytes = 0, total = 0;
-  drv.cuMemGetInfo(&free_bytes, &total);
+  cuda_drv.cuMemGetInfo(&free_bytes, &total);
   char compiled[96];
   if (ce->e.cache_hit)
     snprintf(compiled, sizeof compiled, "%d cubin%s from the cache in %.3f s", programs, programs == 1 ? "" : "s", tc);

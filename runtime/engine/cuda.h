@@ -1,6 +1,6 @@
-// cuda.h: the CUDA back end's runtime (runtime/engine/cuda.c): finding a GPU through the driver (loaded
-// with dlopen, never linked), and the Engine that runs a training step on it as one CUDA Graph of
-// NVRTC-compiled kernels and cuBLASLt GEMMs.
+// cuda.h: the CUDA back end's runtime: finding a GPU through the driver (loaded with dlopen, never
+// linked: cuda_driver.c), and the Engine that runs a training step on it as one CUDA Graph of
+// NVRTC-compiled kernels and cuBLASLt GEMMs (cuda.c, cuda_gemm.c).
 #ifndef MDL_CUDA_H
 #define MDL_CUDA_H
 #include "mdl.h"
@@ -34,13 +34,18 @@ bool cuda_available(char *why, size_t n);
 // SMs; what it is in `how`.
 double cuda_bf16_peak(const CudaDevice *d, char *how, size_t n);
 
-// The CUDA back end for a step plan: parameters initialised from the seed as the interpreter does;
-// with tune_gemms, each GEMM on the fastest of cuBLASLt's candidates (timed when it is built), else
-// on the heuristic's first; with tune_kernels, each kernel that has a variant (CudaLaunch.alt) timed
-// against it and the faster run, else the plan's own. Precision fp8 (the graph has scaled tensors)
-// runs its GEMMs on cuBLASLt's FP8 kernels and keeps the scales on the host (Engine.fp8), on a GPU of
-// sm_89 or later, in one process, without gradient accumulation. NULL with a one-line message in err
-// when there is no GPU, the module does not compile or load, or fp8 cannot run here.
-Engine *engine_cuda(const Fusion *f, const MemPlan *m, uint64_t seed, bool tune_gemms, bool tune_kernels, char *err,
-                    size_t n);
+// "embed: id", "cross_entropy: target": what a kernel reported with a CUDA_ERR_* code in its status
+// (emit_cuda.h's MdlStatus).
+const char *cuda_error_what(long long code);
+
+// The CUDA back end for a step plan and the CUDA plan the pipeline emitted for it (emit_cuda_plan):
+// parameters initialised from the seed as the interpreter does; with tune_gemms, each GEMM on the
+// fastest of cuBLASLt's candidates (timed when it is built), else on the heuristic's first; with
+// tune_kernels, each kernel that has a variant (CudaLaunch.alt) timed against it and the faster run,
+// else the plan's own. Precision fp8 (the graph has scaled tensors) runs its GEMMs on cuBLASLt's FP8
+// kernels and keeps the scales on the host (Engine.fp8), on a GPU of sm_89 or later, in one process,
+// without gradient accumulation. NULL with a one-line message in err when there is no GPU, no plan
+// (NULL), the module does not compile or load, or fp8 cannot run here.
+Engine *engine_cuda(const Fusion *f, const MemPlan *m, const CudaPlan *plan, uint64_t seed, bool tune_gemms,
+                    bool tune_kernels, char *err, size_t n);
 #endif

@@ -4,8 +4,8 @@
 // since they were stored, the .mdl text and the tokenizer themselves: those copies are what the
 // sampler uses, wherever the files went (a file still at the recorded path that differs gets one
 // warning); a checkpoint without them (written before) needs the files at the recorded paths. The
-// sampler compiles the model again with the recorded dims as -D overrides, except B = 1 and T = 1:
-// a graph that processes one token. The reference interpreter runs it in decode mode (interp.c):
+// driver compiles the model again (sampler_model says what) with the recorded dims as -D overrides,
+// except B = 1 and T = 1: a graph that processes one token. The reference interpreter runs it in decode mode (interp.c):
 // every op of a language model is position-wise except attention, whose nodes keep the k and v rows
 // of the positions fed so far, so one run per token costs one token's work and gives the logits the
 // full forward graph gives at that position. Only the nodes up to the `logits` output run.
@@ -32,6 +32,10 @@
 
 struct Sampler {
   Arena *a;              // the graph's arena
+  Arena *file_arena;     // the checkpoint as read (f), until the parameters are copied
+  StFile f;
+  CheckpointModel m;     // its model, dims B = T = 1 (sampler_model)
+  const char *text;      // the .mdl text to compile: the checkpoint's copy, else NULL (m.source's file)
   const char *path;      // the checkpoint, for messages
   const char *tokenizer; // recorded in the checkpoint
   const char *stored_tokenizer; // the copy it stores (base64), or NULL
@@ -61,6 +65,7 @@ void sampler_close(Sampler *s) {
   if (!s)
     return;
   interp_free(s->it);
+  arena_free(s->file_arena);
   arena_free(s->a);
   free(s);
 }
@@ -234,45 +239,49 @@ void checkpoint_dims_note(const char *path, const CheckpointModel *m, const Grap
   }
 }
 
-// Reads the checkpoint (its own arena, dropped once the parameters are copied), then compiles and
-// checks its model: the text it stores, else the file it names; every parameter's shape is the
-// checkpoint's before the interpreter allocates them (dims as recorded that no tensor there has
-// are refused without allocating for them).
-static bool open_from(Sampler *s, Arena *file_arena) {
-  StFile f;
-  CheckpointModel m;
-  if (!st_read(file_arena, s->path, &f) || !checkpoint_model(s->a, s->path, &f, &m) || !decode_dims(s, &m))
-    return false;
-  s->tokenizer = m.tokenizer;
-  s->stored_tokenizer = m.tokenizer_base64;
-  const char *text = checkpoint_model_text(file_arena, s->path, &m, "sampling");
-  s->g = text ? mdl_compile_text(s->a, m.source, text, m.dims, m.ndims) : mdl_compile_file(s->a, m.source, m.dims, m.ndims);
-  if (!s->g || !check_graph(s, m.source))
-    return false;
-  const char *prefix = arena_printf(s->a, "checkpoint does not match %s: ", m.source);
-  for (int k = 0; k < s->g->nparams; k++)
-    if (!st_expect(&f, s->path, prefix, s->g->nodes[s->g->params[k]]))
-      return false;
-  checkpoint_dims_note(s->path, &m, s->g, "sampling");
-  s->it = interp_new(s->g, INTERP_F32);
-  if (!load_params(s, &f, m.source))
-    return false;
-  interp_set_decode(s->it, s->context);
-  return true;
-}
-
-Sampler *sampler_open(const char *checkpoint) {
+Sampler *sampler_read(const char *checkpoint) {
   Sampler *s = xcalloc(1, sizeof *s, "the sampler");
-  Arena *file_arena = arena_new();
+  s->file_arena = arena_new();
   s->a = arena_new();
   s->path = arena_strdup(s->a, checkpoint);
-  bool ok = open_from(s, file_arena);
-  arena_free(file_arena);
-  if (!ok) {
+  if (!st_read(s->file_arena, s->path, &s->f) || !checkpoint_model(s->a, s->path, &s->f, &s->m) ||
+      !decode_dims(s, &s->m)) {
     sampler_close(s);
     return NULL;
   }
+  s->tokenizer = s->m.tokenizer;
+  s->stored_tokenizer = s->m.tokenizer_base64;
+  s->text = checkpoint_model_text(s->file_arena, s->path, &s->m, "sampling");
   return s;
+}
+
+Arena *sampler_arena(Sampler *s) { return s->a; }
+
+const CheckpointModel *sampler_model(const Sampler *s, const char **text) {
+  *text = s->text;
+  return &s->m;
+}
+
+// Every parameter's shape is the checkpoint's before the interpreter allocates them (dims as recorded
+// that no tensor there has are refused without allocating for them); the checkpoint as read is
+// dropped once the parameters are copied.
+bool sampler_start(Sampler *s, Graph *g) {
+  s->g = g;
+  const CheckpointModel *m = &s->m;
+  if (!s->g || !check_graph(s, m->source))
+    return false;
+  const char *prefix = arena_printf(s->a, "checkpoint does not match %s: ", m->source);
+  for (int k = 0; k < s->g->nparams; k++)
+    if (!st_expect(&s->f, s->path, prefix, s->g->nodes[s->g->params[k]]))
+      return false;
+  checkpoint_dims_note(s->path, m, s->g, "sampling");
+  s->it = interp_new(s->g, INTERP_F32);
+  if (!load_params(s, &s->f, m->source))
+    return false;
+  interp_set_decode(s->it, s->context);
+  arena_free(s->file_arena);
+  s->file_arena = NULL;
+  return true;
 }
 
 const double *sampler_feed(Sampler *s, int32_t token) {
@@ -432,21 +441,15 @@ static Tokenizer *load_tokenizer(const Sampler *s, const char **name) {
   return t;
 }
 
-int sample_run(const SampleOptions *o) {
-  Sampler *s = sampler_open(o->checkpoint);
-  if (!s)
-    return 1;
+int sampler_print(Sampler *s, const SampleOptions *o) {
   const char *tok_name;
   Tokenizer *tok = load_tokenizer(s, &tok_name);
-  if (!tok) {
-    sampler_close(s);
+  if (!tok)
     return 1;
-  }
   if (tok_vocab(tok) > s->vocab) {
     diag_file_error(tok_name, "tokenizer has %d tokens, the model's V is %lld", tok_vocab(tok),
                     (long long)s->vocab);
     tok_free(tok);
-    sampler_close(s);
     return 1;
   }
   const char *prompt = o->prompt ? o->prompt : ""; // (no --prompt: generation starts from EOS alone)
@@ -461,6 +464,5 @@ int sample_run(const SampleOptions *o) {
   fflush(stdout);
   free(ctx.ids);
   tok_free(tok);
-  sampler_close(s);
   return got < 0 ? 1 : 0;
 }

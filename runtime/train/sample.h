@@ -1,5 +1,6 @@
 // sample.h: `mdlc sample`: text generation from a checkpoint, one token per step with a KV cache
-// (sample.c). The pieces under sample_run are public so that tests can drive them token by token.
+// (sample.c). Its pieces are public so that tests can drive them token by token; the driver compiles
+// the model (compiler/driver/sampling.c).
 #ifndef MDL_SAMPLE_H
 #define MDL_SAMPLE_H
 #include "mdl.h"
@@ -15,10 +16,6 @@ typedef struct {
 
 // 200 tokens, temperature 1, top-k 0 (the model's own distribution), seed 0.
 void sample_defaults(SampleOptions *o);
-// Loads the checkpoint, its model and its tokenizer (the copies it stores, else the files it
-// names), prints the prompt and then the generated text to stdout as it comes. Returns the exit
-// status: 0, or 1 after printing "path: error: reason".
-int sample_run(const SampleOptions *o);
 
 // The model a training checkpoint records: its .mdl file, every dim as trained, its tokenizer, and
 // the copies of the .mdl text and of the tokenizer (base64) it stores (NULL in older checkpoints).
@@ -42,9 +39,18 @@ const char *checkpoint_model_text(Arena *a, const char *path, const CheckpointMo
 void checkpoint_dims_note(const char *path, const CheckpointModel *m, const Graph *g, const char *doing);
 
 // A checkpoint's model compiled for one token per step (B = T = 1, the other dims as recorded),
-// its parameters loaded into the interpreter in decode mode.
+// its parameters loaded into the interpreter in decode mode. It opens in three moves: sampler_read
+// reads the checkpoint; whoever compiles (the driver's sampler_open) compiles sampler_model's text
+// in sampler_arena, dropout off (ir_eval_mode); sampler_start takes the graph.
 typedef struct Sampler Sampler;
-Sampler *sampler_open(const char *checkpoint); // NULL after printing why
+Sampler *sampler_read(const char *checkpoint); // NULL after printing why
+// The model to compile: its file and dims (B = T = 1), and in *text the copy of its text the
+// checkpoint stores (a warning where the file differs), or NULL: then the file.
+const CheckpointModel *sampler_model(const Sampler *s, const char **text);
+Arena *sampler_arena(Sampler *s); // where the graph is to be allocated
+// Checks graph g (NULL: it did not compile, said) against the checkpoint and loads the parameters into
+// the interpreter; false after printing why (then sampler_close s).
+bool sampler_start(Sampler *s, Graph *g);
 void sampler_close(Sampler *s);
 int64_t sampler_vocab(const Sampler *s);         // V: the logits of one step
 int64_t sampler_context(const Sampler *s);       // the longest context: the dim maxT, else T
@@ -69,4 +75,8 @@ int64_t sampler_generate(Sampler *s, const int32_t *ctx, int64_t n, const Sample
 #define SAMPLE_RNG_STREAM 0x73616d70u // "samp"
 int32_t sample_pick(const double *logits, int64_t n, double temperature, int64_t top_k, uint64_t seed,
                     uint64_t index);
+// The tokenizer (the copy the checkpoint stores, else the file it names), then the prompt and the
+// text generated from it printed to stdout as it comes. Returns the exit status: 0, or 1 after
+// printing "path: error: reason".
+int sampler_print(Sampler *s, const SampleOptions *o);
 #endif

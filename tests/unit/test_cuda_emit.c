@@ -52,6 +52,7 @@
 //     bit as it was (see test_optimizers).
 #include "mdl.h"
 #include "backend.h"
+#include "cuda.h"
 #include "emit_cuda.h"
 #include "runtime.h"
 #include "test.h"

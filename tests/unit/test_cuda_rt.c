@@ -759,6 +759,11 @@ static char tmp[] = "/tmp/mdl_cuda_rt_XXXXXX";
 
 static bool contains(const char *s, const char *what) { return strstr(s, what) != NULL; }
 
+// The CUDA plan of a step plan, as mdlc's pipeline emits it for the engine.
+static const CudaPlan *plan_for(const Fusion *f, const MemPlan *m) {
+  return emit_cuda_plan(f, m, f->g->model ? f->g->model : "model");
+}
+
 static bool write_file(const char *path, const char *text) {
   FILE *f = fopen(path, "w");
   if (!f)
@@ -941,12 +946,12 @@ static void probe_checks(void) {
   Model md = {"mlp", "models/mlp.mdl", NULL, {{0}}, 0, DT_F32};
   Compiled c;
   if (compile_model(&md, &c)) {
-    Engine *e = engine_cuda(c.f, c.m, 1, true, true, why, sizeof why);
+    Engine *e = engine_cuda(c.f, c.m, plan_for(c.f, c.m), 1, true, true, why, sizeof why);
     CHECK(!e && contains(why, "lacks cuDevicePrimaryCtxRetain"),
           "cuda: the engine names the entry point a driver lacks", "%p: '%s'", (void *)e, why);
     fake_probe(&nodev, so, sizeof so);
     setenv("MDL_LIBCUDA", so, 1);
-    e = engine_cuda(c.f, c.m, 1, true, true, why, sizeof why);
+    e = engine_cuda(c.f, c.m, plan_for(c.f, c.m), 1, true, true, why, sizeof why);
     CHECK(!e && !strcmp(why, "no CUDA device"), "cuda: the engine says 'no CUDA device'", "'%s'", why);
   } else {
     CHECK(false, "cuda: models/mlp.mdl compiles", "front end or autodiff failed");
@@ -1150,7 +1155,7 @@ static void no_driver_checks(void) {
   Model md = {"mlp", "models/mlp.mdl", NULL, {{0}}, 0, DT_F32};
   Compiled c;
   if (compile_model(&md, &c)) {
-    Engine *e = engine_cuda(c.f, c.m, 1, true, true, why, sizeof why);
+    Engine *e = engine_cuda(c.f, c.m, plan_for(c.f, c.m), 1, true, true, why, sizeof why);
     CHECK(!e && !strcmp(why, no_driver), "cuda: the engine says 'no CUDA driver'", "%p: '%s'", (void *)e, why);
   } else {
     CHECK(false, "cuda: models/mlp.mdl compiles", "front end or autodiff failed");
@@ -1327,7 +1332,7 @@ static void snapshot_checks(const char *label, const Compiled *c, Engine *cuda, 
 
   // (a fresh engine on a device with room for less than the snapshot)
   int (*meminfo)(size_t *, size_t *) = (int (*)(size_t *, size_t *))dlsym(fake, "cuMemGetInfo_v2");
-  Engine *full = engine_cuda(c->f, c->m, 5, true, true, why, sizeof why);
+  Engine *full = engine_cuda(c->f, c->m, plan_for(c->f, c->m), 5, true, true, why, sizeof why);
   size_t free_bytes = 0, total = 0;
   if (full && meminfo && meminfo(&free_bytes, &total) == 0) {
     char cap[32];
@@ -1375,7 +1380,7 @@ static void train_checks(const char *label, const Compiled *c, const Counters *k
   snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out);
   bool ok = train_data(data, sizeof data);
   char why[256];
-  Engine *e = ok ? engine_cuda(c->f, c->m, 7, true, true, why, sizeof why) : NULL;
+  Engine *e = ok ? engine_cuda(c->f, c->m, plan_for(c->f, c->m), 7, true, true, why, sizeof why) : NULL;
   TrainOptions to = {.model_path = "models/gpt2-tiny.mdl", .data_dir = data, .tokenizer_path = "tokenizer.bin",
                      .out_dir = out, .steps = 4, .seed = 7, .val_every = 0, .val_batches = 1, .ckpt_every = 2};
   long copies = k->device_copies;
@@ -1415,8 +1420,8 @@ static void train_checks(const char *label, const Compiled *c, const Counters *k
 // second; its events are freed with the engine.
 static void profile_checks(const char *label, const Compiled *c, const Counters *k) {
   char why[1024], name[256];
-  Engine *es[2] = {engine_cuda(c->f, c->m, 5, true, true, why, sizeof why), NULL};
-  es[1] = es[0] ? engine_cuda(c->f, c->m, 5, true, true, why, sizeof why) : NULL;
+  Engine *es[2] = {engine_cuda(c->f, c->m, plan_for(c->f, c->m), 5, true, true, why, sizeof why), NULL};
+  es[1] = es[0] ? engine_cuda(c->f, c->m, plan_for(c->f, c->m), 5, true, true, why, sizeof why) : NULL;
   snprintf(name, sizeof name, "cuda: %s: --profile runs the step launch by launch, to the graph's results", label);
   if (!es[0] || !es[1]) {
     CHECK(false, name, "%s", why);
@@ -1517,7 +1522,7 @@ static bool slow_step(const Compiled *c, const Counters *k, const char *slow, bo
                       size_t n) {
   setenv("FAKE_SLOW_KERNELS", slow, 1);
   long before = k->slow_kernels_replayed;
-  Engine *e = engine_cuda(c->f, c->m, 5, true, tune, why, n);
+  Engine *e = engine_cuda(c->f, c->m, plan_for(c->f, c->m), 5, true, tune, why, n);
   bool ok = e != NULL;
   if (e) {
     Engine *one[] = {e};
@@ -1605,7 +1610,7 @@ static int gemm_kinds(const CudaPlan *p) {
 static Engine *make_cuda(const void *ctx, uint64_t seed) {
   const Compiled *c = ctx;
   char why[512];
-  return engine_cuda(c->f, c->m, seed, true, true, why, sizeof why);
+  return engine_cuda(c->f, c->m, plan_for(c->f, c->m), seed, true, true, why, sizeof why);
 }
 
 // The initial parameters on the device (draw_checks.h), and an engine given all of another's by
@@ -1637,8 +1642,8 @@ static void device_draw_checks(const char *label, const Compiled *c, const Count
 
 static void device_copy_checks(const char *label, const Compiled *c, const Counters *k) {
   char why[1024], name[256];
-  Engine *a = engine_cuda(c->f, c->m, 5, true, true, why, sizeof why);
-  Engine *b = engine_cuda(c->f, c->m, 6, true, true, why, sizeof why);
+  Engine *a = engine_cuda(c->f, c->m, plan_for(c->f, c->m), 5, true, true, why, sizeof why);
+  Engine *b = engine_cuda(c->f, c->m, plan_for(c->f, c->m), 6, true, true, why, sizeof why);
   snprintf(name, sizeof name, "cuda: %s: two engines of one plan start", label);
   CHECK(a && b, name, "%s", why);
   if (!a || !b) {
@@ -1750,7 +1755,7 @@ static void emulated_checks(const Model *md) {
   void *h = dlopen(so, RTLD_NOW | RTLD_LOCAL);
   const Counters *(*counters)(void) = h ? (const Counters *(*)(void))dlsym(h, "fake_counters") : NULL;
   setenv("MDL_NVRTC_THREADS", "0", 1);
-  Engine *bad = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
+  Engine *bad = engine_cuda(c.f, c.m, plan_for(c.f, c.m), 5, true, true, why, sizeof why);
   snprintf(name, sizeof name, "cuda: %s: MDL_NVRTC_THREADS=0 is refused, named", md->label);
   CHECK(!bad && strstr(why, "MDL_NVRTC_THREADS=0: not a number of threads"), name, "%s",
         bad ? "an engine started" : why);
@@ -1760,7 +1765,7 @@ static void emulated_checks(const Model *md) {
   // first compiles them, the others take them from the cache (with the machine's own count they
   // would compile the module again, split another way).
   setenv("MDL_NVRTC_THREADS", "3", 1);
-  Engine *cuda = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
+  Engine *cuda = engine_cuda(c.f, c.m, plan_for(c.f, c.m), 5, true, true, why, sizeof why);
   snprintf(name, sizeof name, "cuda: %s: the engine starts on the emulated GPU", md->label);
   CHECK(cuda && counters, name, "%s", cuda ? "no fake_counters" : why);
   if (cuda && counters) {
@@ -1859,7 +1864,7 @@ static void emulated_checks(const Model *md) {
           k->modules);
     profile_checks(md->label, &c, k);
     setenv("FAKE_GPU_MEMORY", "100000", 1);
-    cuda = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
+    cuda = engine_cuda(c.f, c.m, plan_for(c.f, c.m), 5, true, true, why, sizeof why);
     unsetenv("FAKE_GPU_MEMORY");
     char takes[64];
     snprintf(takes, sizeof takes, "(the step's arena %.2f GB)", (double)p->arena_bytes / 1e9);
@@ -1874,7 +1879,7 @@ static void emulated_checks(const Model *md) {
     // Without tuning (--no-gemm-tuning) every GEMM runs on the heuristic's first candidate, untimed:
     // one run each before the steps (the eager check), and every replayed GEMM on the slow one.
     long direct = k->direct_gemms, slow = k->slow_replayed;
-    cuda = engine_cuda(c.f, c.m, 5, false, true, why, sizeof why);
+    cuda = engine_cuda(c.f, c.m, plan_for(c.f, c.m), 5, false, true, why, sizeof why);
     ok = cuda != NULL;
     if (cuda) {
       Engine *one[] = {cuda};
@@ -1918,7 +1923,7 @@ static bool same_fp8(const Fp8State *x, const Fp8State *y, bool hist) {
 // resuming the checkpoint there when `resume`. The engine, or NULL after a failed run (why says so).
 static Engine *fp8_train(const Compiled *c, const char *data, const char *out, int64_t steps, bool resume, char *why,
                          size_t n) {
-  Engine *e = engine_cuda(c->f, c->m, 7, true, true, why, n);
+  Engine *e = engine_cuda(c->f, c->m, plan_for(c->f, c->m), 7, true, true, why, n);
   TrainOptions to = {.model_path = "models/gpt2-tiny.mdl", .data_dir = data, .tokenizer_path = "tokenizer.bin",
                      .out_dir = out, .steps = steps, .seed = 7, .val_every = 0, .val_batches = 1, .ckpt_every = 2,
                      .resume = resume, .quiet = true};
@@ -1960,7 +1965,7 @@ static bool fp8_step_one(Engine *e, int s, char *why, size_t n) {
 static void fp8_hook_checks(const Compiled *c) {
   const Graph *g = c->g;
   char why[1024] = "", name[300];
-  Engine *e = engine_cuda(c->f, c->m, 5, true, true, why, sizeof why);
+  Engine *e = engine_cuda(c->f, c->m, plan_for(c->f, c->m), 5, true, true, why, sizeof why);
   CHECK(e && e->set_fp8_amax && e->set_fp8_lead, "cuda: gpt2-tiny fp8: the engine has the amax and lead hooks",
         "%s", e ? "missing" : why);
   if (!e || !e->set_fp8_amax) {
@@ -2048,7 +2053,7 @@ static void fp8_lead_checks(const Model *md) {
   void *h;
   if (!use_fake_gpu(&c, "gpt2_tiny_fp8_grads", "gpt2-tiny fp8 gradients-only", &p, so, sizeof so, &h, &counters))
     return;
-  Engine *es[2] = {engine_cuda(c.f, c.m, 5, true, true, why, sizeof why), engine_interp(g, INTERP_F32, 5)};
+  Engine *es[2] = {engine_cuda(c.f, c.m, plan_for(c.f, c.m), 5, true, true, why, sizeof why), engine_interp(g, INTERP_F32, 5)};
   CHECK(es[0] && es[0]->set_fp8_lead && g->nfp8 > 0,
         "cuda: gpt2-tiny fp8 gradients-only: the engine starts, with the lead hook", "%s",
         es[0] ? "no hook or no scaled tensor" : why);
@@ -2121,7 +2126,7 @@ static void fp8_accumulate_checks(const Compiled *c, const char *so) {
   TrainOptions to = {.model_path = "models/gpt2-tiny.mdl", .data_dir = data, .tokenizer_path = "tokenizer.bin",
                      .out_dir = out, .steps = 3, .seed = 7, .val_every = 0, .val_batches = 1, .quiet = true};
   snprintf(out, sizeof out, "%s/fp8-b2", tmp);
-  Engine *ref = engine_cuda(c->f, c->m, 7, true, true, why, sizeof why);
+  Engine *ref = engine_cuda(c->f, c->m, plan_for(c->f, c->m), 7, true, true, why, sizeof why);
   bool ok = ref && train_run(ref, NULL, NULL, &to) == 0;
   Fp8State one = {0};
   if (ok) {
@@ -2146,9 +2151,9 @@ static void fp8_accumulate_checks(const Compiled *c, const char *so) {
   if (ok && built) {
     setenv("MDL_LIBCUDA", so1, 1);
     setenv("MDL_LIBCUBLASLT", so1, 1);
-    e = engine_cuda(sc.f, sc.m, 7, true, true, why, sizeof why);
+    e = engine_cuda(sc.f, sc.m, plan_for(sc.f, sc.m), 7, true, true, why, sizeof why);
     setenv("FAKE_SECOND_MODULE", so2, 1);
-    micro = e ? engine_cuda(mc.f, mc.m, 7, true, true, why, sizeof why) : NULL;
+    micro = e ? engine_cuda(mc.f, mc.m, plan_for(mc.f, mc.m), 7, true, true, why, sizeof why) : NULL;
     unsetenv("FAKE_SECOND_MODULE");
     snprintf(out, sizeof out, "%s/fp8-acc", tmp);
     ok = e && micro && train_run(e, NULL, micro, &to) == 0;
@@ -2224,7 +2229,7 @@ static void fp8_checks(void) {
     f8 += fp8;
     e5 += fp8 && (gm->ab == DT_F8E5M2 || gm->b_fp8 == DT_F8E5M2);
   }
-  Engine *es[3] = {engine_cuda(c.f, c.m, 5, true, true, why, sizeof why), NULL, NULL};
+  Engine *es[3] = {engine_cuda(c.f, c.m, plan_for(c.f, c.m), 5, true, true, why, sizeof why), NULL, NULL};
   const Counters *k = counters ? counters() : NULL;
   snprintf(name, sizeof name, "cuda: gpt2-tiny fp8: the engine starts; cuBLASLt is told fp8 A and B for each of the "
            "plan's %d fp8 GEMMs (%d with an E5M2 operand) and refuses none", f8, e5);
@@ -2232,7 +2237,7 @@ static void fp8_checks(void) {
         !es[0] ? why : !k ? "no fake_counters" : "counts differ");
   if (es[0] && k)
     printf("  (fp8 GEMMs described: %ld, with E5M2: %ld, refused: %ld)\n", k->f8, k->e5m2, k->f8_refused);
-  es[1] = es[0] ? engine_cuda(c.f, c.m, 5, true, true, why, sizeof why) : NULL;
+  es[1] = es[0] ? engine_cuda(c.f, c.m, plan_for(c.f, c.m), 5, true, true, why, sizeof why) : NULL;
   if (!es[0] || !es[1] || !k) {
     for (int i = 0; i < 2; i++)
       if (es[i])
@@ -2399,7 +2404,7 @@ static void gpu_checks(void) {
       arena_free(c.a);
       continue;
     }
-    Engine *cuda = engine_cuda(c.f, c.m, 5, true, true, why, sizeof why);
+    Engine *cuda = engine_cuda(c.f, c.m, plan_for(c.f, c.m), 5, true, true, why, sizeof why);
     snprintf(name, sizeof name, "cuda: %s: the engine starts", md->label);
     CHECK(cuda, name, "%s", why);
     if (cuda) {

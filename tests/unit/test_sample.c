@@ -7,6 +7,7 @@
 #include "mdl.h"
 #include "runtime.h"
 #include "sample.h"
+#include "driver.h"
 #include "test.h"
 #include "scratch_dir.h"
 
