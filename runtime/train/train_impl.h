@@ -14,6 +14,74 @@
 // On --resume: log.jsonl cut back to the lines of the steps up to `step`; false after saying why.
 bool truncate_log(const char *path, int64_t step);
 //
+// step.c: one optimizer step's parts.
+//
+// The metrics: every scalar output besides the loss (an accuracy, an auxiliary loss), each step's
+// value (the mean over its micro-batches, as the loss) and each validation's (the mean over its
+// batches), logged beside the loss: the step line, log.jsonl ("NAME", "val_NAME") and loss.svg.
+typedef struct {
+  int n;
+  const char **name;
+  int *node;   // in the training graph
+  int *val;    // its index among the validation graph's outputs (val_means' mean[1 + val]), or -1
+  double *now; // this step's values
+  double *sum; // the micro-batches' sums (gradient accumulation)
+} Metrics;
+// Precision fp8's amaxes over several ranks or micro-batches (step.c says how they join).
+typedef struct {
+  int n;
+  bool merge;     // this step's micro-batches ran: their amaxes join the step engine's
+  float *micro;   // the max of this step's micro-batches' amaxes (NaN once one is NaN)
+  float *ones;    // the scales of a calibration pass
+  uint32_t *bits; // the ranks' all-reduce
+  int64_t step;
+} Fp8Amax;
+// Gradient accumulation's state (step.c): the micro-batches' engine and the sums of their gradients.
+typedef struct {
+  Engine *micro;
+  Fp8Amax *fp8;       // precision fp8 (else NULL)
+  Metrics *metrics;   // their values summed into metrics->sum
+  int n;              // the parameters that train (a frozen one has no gradient)
+  int *param;         // per one of them: its index in the parameters
+  int *grads;         // its gradient node in the micro-batches' graph
+  const char **names; // "acc.<param>", per one of them
+  float **sum;  // per one of them; the host's sums, allocated when first needed
+  float *tmp;
+} Accum;
+// Data parallel (dist.c): the step engine's gradients made the mean over the ranks before its
+// optimizer (Engine.set_reduce), and the time that takes. A rank whose micro-batch loss was not
+// finite (poison) sends NaN gradients instead, so that every rank skips the update, as one process
+// skips it.
+typedef struct {
+  Engine *e;
+  int64_t step;
+  bool poison;    // a micro-batch's loss was not finite (the step's own is read in the reduce)
+  double seconds; // waited on the all-reduces, this step (with buckets: only what the backward did not hide)
+  double busy;    // in the all-reduces, this step (with buckets on the engine's thread, beside the backward)
+  double gather;  // in the all-gather of the updated parameters (--zero 1 on the CPU), this step
+} Reduce;
+// The per-step seed of dropout masks, from the run's seed and the step (each rank's own).
+uint64_t step_seed(uint64_t seed, int64_t step);
+// A batch's inputs into e, n a row's values times the rows (this rank's slice of them); false on error.
+bool feed(Engine *e, const Batch *b, int64_t n);
+// Whether g can train on token shards; false after naming what is missing or extra.
+bool shards_fit(const Graph *g, const char *data_dir);
+void copy_params(Engine *from, Engine *to); // every parameter of `from` into `to` (two graphs of one model)
+Metrics metrics_of(const Graph *g, const Graph *eval);
+void metrics_free(Metrics *m);
+// Engine.set_fp8_amax's hook (ctx: the Fp8Amax): the step's amaxes over its micro-batches and the ranks.
+bool fp8_amax_step(void *ctx, float *amax, int n, char *err, size_t en);
+// The first k - 1 micro-batches of step `step` on ac->micro, their gradients summed into e's inputs,
+// their losses into loss_sum and counted tokens into real; false with a message in err.
+bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed, int64_t step,
+                      double *loss_sum, int64_t *real, char *err, size_t n);
+// What made a step non-finite (the loss, an fp8 overflow, the first gradient that is not), into buf.
+const char *nonfinite_culprit(Engine *e, double loss, char *buf, size_t n);
+// Engine.set_reduce's and Engine.set_shard's hooks (ctx: the Reduce).
+bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en);
+bool gather_params(void *ctx, float *x, const int64_t *at, char *err, size_t en);
+
+//
 // ckpt.c: the checkpoint, written in the background between steps and read on --resume.
 //
 // The writer of a run's checkpoints (ckpt.c says how they are written); {.ok = true} before the first.
