@@ -82,6 +82,19 @@ bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en);
 bool gather_params(void *ctx, float *x, const int64_t *at, char *err, size_t en);
 
 //
+// validate.c: the validation loss.
+//
+// The batches to validate an array dataset on: --val-batches (want) batches of B, at most as many
+// as its val split fills.
+int64_t array_val_batches(const Loader *val, int64_t B, int64_t want);
+// The mean validation loss over the first `batches` batches from `first`, on eval with train's
+// parameters; the means of eval's scalar outputs into mean[1..]; NaN with a message in err.
+double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
+                double *mean, char *err, size_t n);
+// The unigram entropy (nats/token) of dir's training shards; NaN, after a warning, where one cannot be read.
+double unigram_entropy(const char *dir, int64_t vocab);
+
+//
 // ckpt.c: the checkpoint, written in the background between steps and read on --resume.
 //
 // The writer of a run's checkpoints (ckpt.c says how they are written); {.ok = true} before the first.
