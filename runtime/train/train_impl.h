@@ -95,6 +95,36 @@ double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int
 double unigram_entropy(const char *dir, int64_t vocab);
 
 //
+// trainlog.c: the step lines, the progress line and the loss curve.
+//
+// The run's curves, for OUT/loss.svg.
+typedef struct {
+  double *loss, *val;
+  int64_t *val_step;
+  int64_t n, nval, cap, capval;
+  double *met, *val_met; // the metrics' values (Metrics), a step's (or a validation's) after another's
+  int64_t nmet, capmet, nvalmet, capvalmet;
+} Curve;
+// On a terminal, the steps between two full lines show as one line rewritten in place ("\r", then
+// the erase-line escape): the step, the loss smoothed over the last steps (an exponential moving
+// average, corrected for its start as Adam's moments are), the rate and MFU of the steps so far, the
+// time left. Anything else printed first clears it.
+typedef struct {
+  bool on;     // stdout is a terminal (and the run is not --quiet)
+  bool shown;  // the line is on the screen, with no newline after it
+  double ema, weight; // the average's sum and the weight it has gathered (1 - 0.9^steps)
+} Progress;
+// OUT/loss.svg from c (names[0, nmet): the metrics); false where it cannot be written.
+bool write_svg(const char *path, const Curve *c, const char *const *names, int nmet, double unigram, bool arrays);
+void push(double **a, int64_t *n, int64_t *cap, double v); // v appended to the array *a of *n (room for *cap)
+void eta(double seconds, char *buf, size_t n);              // "M:SS"
+void progress_clear(Progress *p);
+void progress_show(Progress *p, int64_t step, int64_t last, double tok_s, double mfu, const char *eta_s);
+// "SEP NAME VALUE" for each metric (prefix "val " at validation), into buf; "" when there are none.
+const char *metrics_line(const Metrics *m, const double *v, const char *sep, const char *prefix, char *buf,
+                         size_t n);
+
+//
 // ckpt.c: the checkpoint, written in the background between steps and read on --resume.
 //
 // The writer of a run's checkpoints (ckpt.c says how they are written); {.ok = true} before the first.
