@@ -1,17 +1,18 @@
-// step.c: one optimizer step's parts: a batch into the engine (and its micro-batches' gradients
-// summed), the engine's hooks between its parts (data parallel's all-reduce, fp8's amaxes), and the
-// step's figures (the metrics, what made it non-finite).
+// step.c: one optimizer step: its batch (and its micro-batches, their gradients summed) through the
+// engine, the engine's hooks between its parts (data parallel's all-reduce, fp8's amaxes, --zero 1's
+// gather), and the step's figures (the loss, the metrics, over the ranks; what made it non-finite).
 #include "runtime.h"
 #include "train_impl.h"
 
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
 // The per-step seed of dropout masks: a function of the run's seed and the step, so a resumed run
 // draws the same masks as an uninterrupted one; rank 0's as one process's, the other ranks' each their
 // own (their slices of the batch get masks of their own, not rank 0's again).
-uint64_t step_seed(uint64_t seed, int64_t step) {
+static uint64_t step_seed(uint64_t seed, int64_t step) {
   uint64_t s = mdl_rng_u64(seed, 0x5eed, (uint64_t)step);
   return dist_rank() ? mdl_rng_u64(s, 0x7a4b, (uint64_t)dist_rank()) : s;
 }
@@ -160,7 +161,7 @@ static bool fp8_amax_ranks(Fp8Amax *fa, float *amax, char *err, size_t en) {
 }
 
 // Engine.set_fp8_amax's: the step engine's amaxes raised to the step's micro-batches', then to the ranks'.
-bool fp8_amax_step(void *ctx, float *amax, int n, char *err, size_t en) {
+static bool fp8_amax_step(void *ctx, float *amax, int n, char *err, size_t en) {
   Fp8Amax *fa = ctx;
   for (int i = 0; fa->merge && i < n; i++)
     amax[i] = amax_join(amax[i], fa->micro[i]);
@@ -220,7 +221,7 @@ static bool fp8_calibrate(Accum *ac, Engine *e, Loader *train, int64_t k, int64_
   return true;
 }
 
-bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed,
+static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed,
                              int64_t step, double *loss_sum, int64_t *real, char *err, size_t n) {
   const Graph *mg = ac->micro->g;
   copy_params(e, ac->micro);
@@ -308,7 +309,7 @@ const char *nonfinite_culprit(Engine *e, double loss, char *buf, size_t n) {
 }
 
 
-bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
+static bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
   Reduce *r = ctx;
   double t0 = rt_now();
   bool poison = r->poison || !isfinite(engine_scalar(r->e, r->e->g->loss));
@@ -321,10 +322,188 @@ bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
 
 // ZeRO stage 1 (--zero 1): the updated parameters' all-gather after each step (Engine.set_shard), in
 // the step's communication time.
-bool gather_params(void *ctx, float *x, const int64_t *at, char *err, size_t en) {
+static bool gather_params(void *ctx, float *x, const int64_t *at, char *err, size_t en) {
   Reduce *r = ctx;
   double t0 = rt_now();
   bool ok = dist_allgather_f32(x, at, "the updated parameters' all-gather", r->step, err, en);
   r->gather += rt_now() - t0;
   return ok;
+}
+// The engine's hooks for data parallel (the gradients' reduce: by the engine, or by NCCL), for
+// precision fp8 over several ranks or micro-batches, and for --zero 1; an engine that lacks one the
+// run needs ends it before its first step (rc 1, last = start), after saying so.
+void run_hooks(Run *r) {
+  const TrainOptions *o = r->o;
+  const Graph *g = r->g;
+  Engine *e = r->e, *micro = r->micro;
+  int world = r->world;
+  // Several ranks: the gradients are reduced in host memory by MPI (the CPU back end), or on the GPUs
+  // by NCCL (the CUDA back end).
+  r->nccl = false, r->overlapped = world > 1 && dist_bucket() > 0 && dist_overlap() && e->set_reduce;
+  // Precision fp8 over several ranks or micro-batches: the step's amaxes are theirs (Fp8Amax).
+  r->fa = (Fp8Amax){0};
+  r->fp8_shared = e->fp8 && (world > 1 || r->k > 1);
+  if (r->fp8_shared) {
+    r->fa.n = e->fp8(e)->n;
+    r->fa.micro = rt_xrealloc(NULL, sizeof(float) * (size_t)r->fa.n);
+    r->fa.ones = rt_xrealloc(NULL, sizeof(float) * (size_t)r->fa.n);
+    r->fa.bits = rt_xrealloc(NULL, sizeof(uint32_t) * (size_t)r->fa.n);
+    for (int i = 0; i < r->fa.n; i++)
+      r->fa.ones[i] = 1;
+    r->ac.fp8 = r->k > 1 ? &r->fa : NULL;
+  }
+  bool led = r->k <= 1 || (micro->fp8 && micro->set_fp8_lead && micro->fp8(micro)->n == r->fa.n);
+  if (r->fp8_shared && (!e->set_fp8_amax || !led)) {
+    diag_file_error(o->model_path, "precision fp8 %s on the %s back end: its engines do not share the fp8 scales "
+                    "and amaxes%s; use bf16 there, or --backend cpu", world > 1 ? "over several ranks" :
+                    "with gradient accumulation (accumulate > 1)", e->name,
+                    world > 1 ? " over the ranks" : " over the micro-batches");
+    r->rc = 1;
+    r->last = r->start;
+    r->overlapped = false;
+  } else if (world > 1 &&
+             !(e->set_reduce && e->set_reduce(e, reduce_grads, &r->red, dist_bucket(), dist_overlap()))) {
+    r->overlapped = false;
+    void *comm = e->set_nccl ? dist_nccl_comm(r->err, sizeof r->err) : NULL;
+    if (comm && e->set_nccl(e, comm, &r->red.poison)) {
+      r->nccl = true;
+    } else {
+      diag_file_error(o->model_path, "the %s back end cannot reduce gradients over ranks%s%s", e->name,
+                      r->err[0] ? ": " : " (data-parallel training runs on the interpreter and the compiled CPU and "
+                                         "CUDA back ends)", r->err);
+      r->rc = 1;
+      r->last = r->start;
+    }
+  }
+  if (r->fp8_shared && r->rc == 0)
+    e->set_fp8_amax(e, fp8_amax_step, &r->fa);
+  ZeroShard *zero = r->zero = o->zero && world > 1 ? engine_shard(g, dist_rank(), world) : NULL; // (one process: no shards)
+  if (zero && r->rc == 0 && !(e->set_shard && e->set_shard(e, zero, gather_params, &r->red))) {
+    diag_file_error(o->model_path, "the %s back end cannot shard the optimizer's state (--zero 1)", e->name);
+    r->rc = 1;
+    r->last = r->start;
+  }
+  if (zero && e->idle) // (a resumed run read every moment; a rank keeps its shard's)
+    e->idle(e, false);
+  if (zero && r->rc == 0 && !o->quiet) {
+    int64_t own = 0, all = 0;
+    for (int i = 0; i < g->n; i++)
+      if (g->nodes[i]->op == OP_STATE) {
+        all += 4 * shape_numel(g->nodes[i]->shape);
+        own += engine_shard_owner(zero, g, i) == zero->rank ? 4 * shape_numel(g->nodes[i]->shape) : 0;
+      }
+    printf("ZeRO stage 1: rank %d updates parameters %d to %d of %d and keeps their moments, %.2f MB of %.2f MB\n",
+           zero->rank, zero->first[zero->rank], zero->first[zero->rank + 1] - 1, g->nparams, (double)own / 1e6,
+           (double)all / 1e6);
+  }
+}
+
+// The engine's hooks of run_hooks taken back, and what they held freed.
+void run_unhook(Run *r) {
+  Engine *e = r->e, *micro = r->micro;
+  if (r->world > 1 && e->set_reduce)
+    e->set_reduce(e, NULL, NULL, 0, false);
+  if (r->fp8_shared && e->set_fp8_amax)
+    e->set_fp8_amax(e, NULL, NULL);
+  if (r->fp8_shared && r->k > 1 && micro->set_fp8_lead)
+    micro->set_fp8_lead(micro, NULL);
+  free(r->fa.micro);
+  free(r->fa.ones);
+  free(r->fa.bits);
+  if (r->nccl)
+    e->set_nccl(e, NULL, NULL);
+  if (r->zero && e->set_shard)
+    e->set_shard(e, NULL, NULL, NULL);
+  engine_shard_free(r->zero);
+}
+
+// One optimizer step: its micro-batches (gradient accumulation), its batch into the engine and the
+// engine's step, and the step's loss, gradient norm and metrics on this rank. STEP_FAILED after saying
+// why; STEP_NO_BATCH where the training data gave none (the caller says so).
+int train_step(Run *r, RunStep *s) {
+  const TrainOptions *o = r->o;
+  const Graph *g = r->g;
+  Engine *e = r->e;
+  int64_t step = s->step, k = r->k;
+  s->t0 = rt_now(), s->loss_sum = 0;
+  s->real = 0;
+  s->before = loader_state(r->train); // (a checkpoint of the step before this one resumes from it)
+  if (k > 1 && !accumulate_micro(&r->ac, e, r->train, k, r->B * r->T, r->seed, step, &s->loss_sum, &s->real, r->err,
+                                 sizeof r->err)) {
+    progress_clear(&r->pg);
+    diag_file_error(o->model_path, "step %lld: %s", (long long)step, r->err[0] ? r->err : "bad batch");
+    r->rc = 1;
+    return STEP_FAILED;
+  }
+  Batch batch;
+  if (!loader_next(r->train, &batch)) // (the text it reads changed: the loader said how)
+    return STEP_NO_BATCH;
+  s->lr = rt_lr_at(&r->tc, step);
+  e->set_scalar(e, "lr", s->lr);
+  e->set_scalar(e, "step", (double)step);
+  e->set_seed(e, step_seed(r->seed, k > 1 ? step * k + k - 1 : step));
+  // A micro-batch whose loss is not finite: the step is not run (its optimizer would apply the
+  // others' gradients regardless). With several ranks every rank runs it, that one sending NaN
+  // gradients (reduce_grads), so that no rank's optimizer updates.
+  s->micro_finite = isfinite(s->loss_sum), s->run = s->micro_finite || r->world > 1;
+  Reduce *red = &r->red;
+  red->step = step, red->poison = !s->micro_finite, red->seconds = red->busy = red->gather = 0;
+  r->fa.step = step;
+  if (!feed(e, &batch, r->B * r->T) || (s->run && !e->step(e, r->err, sizeof r->err))) {
+    progress_clear(&r->pg);
+    diag_file_error(o->model_path, "step %lld: %s", (long long)step, r->err[0] ? r->err : "bad batch");
+    r->rc = 1;
+    return STEP_FAILED;
+  }
+  s->real += batch.real_tokens; // (with several ranks: the global batch's)
+  // (NCCL: the device time of its all-reduce, and with --zero 1 its all-gather; buckets beside the
+  // backward: the time the step waited for them; else the all-reduces' own, on the main thread
+  // between the backward and the optimizer; and --zero 1's all-gather on the CPU after it)
+  red->seconds = (r->nccl || r->overlapped ? e->reduce_seconds : red->busy) + red->gather;
+  if (r->nccl)
+    red->busy = e->reduce_seconds;
+  s->loss = (s->loss_sum + (s->micro_finite ? engine_scalar(e, g->loss) : NAN)) / (double)k;
+  s->norm = r->gnorm >= 0 && s->run ? engine_scalar(e, r->gnorm) : NAN;
+  Metrics *met = &r->met;
+  for (int j = 0; j < met->n; j++) {
+    met->now[j] = (met->sum[j] + (s->micro_finite ? engine_scalar(e, met->node[j]) : NAN)) / (double)k;
+    met->sum[j] = 0;
+  }
+  return STEP_RAN;
+}
+
+// The step's figures made the run's: with several ranks, the loss and metrics their means over the
+// ranks, and a stop (s->stop) on any rank every rank's; its time, and its loss and metrics into the
+// curves. False after saying why.
+bool finish_step(Run *r, RunStep *s) {
+  int world = r->world;
+  Metrics *met = &r->met;
+  Reduce *red = &r->red;
+  double *shared = r->shared;
+  if (world > 1) {
+    shared[0] = s->loss, shared[met->n + 1] = s->stop ? 1 : 0;
+    for (int j = 0; j < met->n; j++)
+      shared[1 + j] = met->now[j];
+    double t1 = rt_now();
+    if (!dist_sum_f64(shared, met->n + 2, "the step's loss", s->step, r->err, sizeof r->err)) {
+      diag_file_error(r->o->model_path, "step %lld: %s", (long long)s->step, r->err);
+      r->rc = 1;
+      return false;
+    }
+    red->seconds += rt_now() - t1;
+    red->busy += rt_now() - t1;
+    s->loss = shared[0] / world;
+    for (int j = 0; j < met->n; j++)
+      met->now[j] = shared[1 + j] / world;
+    s->stop = shared[met->n + 1] > 0 ? (s->stop ? s->stop : SIGTERM) : 0;
+  }
+  s->dt = rt_now() - s->t0;
+  r->step_secs += s->dt;
+  r->comm_total += red->seconds;
+  r->busy_total += red->busy;
+  r->real_total += s->real;
+  push(&r->c.loss, &r->c.n, &r->c.cap, s->loss);
+  for (int j = 0; j < met->n; j++)
+    push(&r->c.met, &r->c.nmet, &r->c.capmet, met->now[j]);
+  return true;
 }

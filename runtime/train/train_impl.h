@@ -7,6 +7,10 @@
 #include "runtime.h"
 
 #include <pthread.h>
+#include <stdio.h>
+
+typedef struct Run Run;         // a run under way (train.c)
+typedef struct RunStep RunStep; // one step of it
 
 //
 // outdir.c: the output folder (its lock: runtime.h's train_claim_out).
@@ -60,8 +64,6 @@ typedef struct {
   double busy;    // in the all-reduces, this step (with buckets on the engine's thread, beside the backward)
   double gather;  // in the all-gather of the updated parameters (--zero 1 on the CPU), this step
 } Reduce;
-// The per-step seed of dropout masks, from the run's seed and the step (each rank's own).
-uint64_t step_seed(uint64_t seed, int64_t step);
 // A batch's inputs into e, n a row's values times the rows (this rank's slice of them); false on error.
 bool feed(Engine *e, const Batch *b, int64_t n);
 // Whether g can train on token shards; false after naming what is missing or extra.
@@ -69,17 +71,17 @@ bool shards_fit(const Graph *g, const char *data_dir);
 void copy_params(Engine *from, Engine *to); // every parameter of `from` into `to` (two graphs of one model)
 Metrics metrics_of(const Graph *g, const Graph *eval);
 void metrics_free(Metrics *m);
-// Engine.set_fp8_amax's hook (ctx: the Fp8Amax): the step's amaxes over its micro-batches and the ranks.
-bool fp8_amax_step(void *ctx, float *amax, int n, char *err, size_t en);
-// The first k - 1 micro-batches of step `step` on ac->micro, their gradients summed into e's inputs,
-// their losses into loss_sum and counted tokens into real; false with a message in err.
-bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed, int64_t step,
-                      double *loss_sum, int64_t *real, char *err, size_t n);
 // What made a step non-finite (the loss, an fp8 overflow, the first gradient that is not), into buf.
 const char *nonfinite_culprit(Engine *e, double loss, char *buf, size_t n);
-// Engine.set_reduce's and Engine.set_shard's hooks (ctx: the Reduce).
-bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en);
-bool gather_params(void *ctx, float *x, const int64_t *at, char *err, size_t en);
+// The engine's hooks for data parallel, precision fp8 over ranks or micro-batches and --zero 1;
+// one the engine lacks ends the run before its first step (rc 1, last = start) after saying so.
+void run_hooks(Run *r);
+void run_unhook(Run *r); // the hooks taken back, what they held freed
+enum { STEP_RAN, STEP_FAILED, STEP_NO_BATCH }; // what train_step did
+// One optimizer step, its figures on this rank into s and r->met; STEP_FAILED after saying why.
+int train_step(Run *r, RunStep *s);
+// The step's figures over the ranks (and s->stop on any rank), its time, the curves; false after saying why.
+bool finish_step(Run *r, RunStep *s);
 
 //
 // validate.c: the validation loss.
@@ -166,5 +168,58 @@ bool gather_moments(Engine *e, const ZeroShard *z, int64_t step, char *err, size
 // is the one on disk (ckpt_step); what became of the weights goes into kept.
 void keep_step_before(CkptWriter *w, const char *ckpt, Engine *e, const TrainOptions *o, int64_t step,
                       int64_t ckpt_step, LoaderState before, char *kept, size_t n);
+//
+// train.c: the loop that strings the parts together, and the state they share.
+//
+// A run under way: what the parts of train_loop share from one step to the next.
+struct Run {
+  Engine *e, *eval, *micro; // the step's engine, validation's (or NULL), the micro-batches' (or NULL)
+  const TrainOptions *o;
+  const Graph *g; // e's
+  const char *ckpt, *log_path, *svg;
+  int64_t B, T, V; // (arrays: T is 1, B examples a batch)
+  int64_t k;       // micro-batches a step
+  int world;       // the ranks (dist.c), 1 alone
+  bool lead;       // writes the log, the checkpoints and the loss curve
+  Loader *train, *val;
+  LoaderState val_first;
+  FILE *log;
+  int64_t start, last; // the step it begins after (a resumed run's) and the step it stops after
+  uint64_t seed;
+  TrainConfig tc; // the train section, its steps those the schedule spans
+  int gnorm;      // the gradient norm's node, or -1
+  double peak, flops, unigram;
+  int64_t val_batches, log_every;
+  const char *unit; // of the rate: tok/s, or ex/s on arrays
+  Metrics met;
+  double *val_mean; // a validation's means (validate)
+  Accum ac;
+  Curve c;
+  char err[512];
+  int rc, stopped; // stopped: the signal that stopped the run
+  CkptWriter writer;
+  double t_start, last_val, step_secs;
+  int64_t real_total, skipped, ckpt_step; // ckpt_step: the last checkpoint's step
+  bool log_failed;
+  Progress pg;
+  Reduce red;
+  double comm_total, busy_total, *shared;
+  bool nccl, overlapped; // the gradients reduced by NCCL; in buckets beside the backward
+  Fp8Amax fa;
+  bool fp8_shared; // precision fp8 over several ranks or micro-batches: the step's amaxes are theirs
+  ZeroShard *zero; // --zero 1 over several ranks, else NULL
+};
+
+// One step of a run, as its parts see it.
+struct RunStep {
+  int64_t step;
+  double t0, loss_sum; // its start; the losses of its first k - 1 micro-batches
+  int64_t real;        // the tokens (examples) it counted
+  LoaderState before;  // the data position at its start (a checkpoint of the step before resumes from it)
+  double lr, loss, norm, dt;
+  bool micro_finite, run; // its micro-batches' losses were finite; the step engine ran
+  int stop;               // the SIGINT or SIGTERM it stops the run at, or 0
+  bool nonfinite, do_val;
+};
 
 #endif
