@@ -116,15 +116,12 @@ typedef struct {
   bool shown;  // the line is on the screen, with no newline after it
   double ema, weight; // the average's sum and the weight it has gathered (1 - 0.9^steps)
 } Progress;
-// OUT/loss.svg from c (names[0, nmet): the metrics); false where it cannot be written.
-bool write_svg(const char *path, const Curve *c, const char *const *names, int nmet, double unigram, bool arrays);
 void push(double **a, int64_t *n, int64_t *cap, double v); // v appended to the array *a of *n (room for *cap)
-void eta(double seconds, char *buf, size_t n);              // "M:SS"
-void progress_clear(Progress *p);
-void progress_show(Progress *p, int64_t step, int64_t last, double tok_s, double mfu, const char *eta_s);
-// "SEP NAME VALUE" for each metric (prefix "val " at validation), into buf; "" when there are none.
-const char *metrics_line(const Metrics *m, const double *v, const char *sep, const char *prefix, char *buf,
-                         size_t n);
+void progress_clear(Progress *p); // the progress line off the screen, before anything else is printed
+// The step's line (a full one, else on a terminal the progress line) and its line of log.jsonl; a
+// log that cannot be written is said once, and ends the run (log_failed, rc 1).
+void log_step(Run *r, const RunStep *s);
+void log_summary(Run *r); // the end of a run that trained: its rates, final figures, OUT/loss.svg
 
 //
 // ckpt.c: the checkpoint, written in the background between steps and read on --resume.
