@@ -242,39 +242,6 @@ static void run_plan(Run *r) {
   }
 }
 
-// Validation at the steps it is due (every val_every and the last, unless the step is not finite),
-// its figures into the curves; false after saying why it failed.
-static bool validate_step(Run *r, RunStep *s) {
-  // A loss or gradient norm that is not finite: the optimizer left the weights and moments as they
-  // were (emit_c.c, emit_cuda.c, engine.c's interpreter test the same two values), so they are the
-  // last finite ones.
-  const TrainOptions *o = r->o;
-  int64_t step = s->step;
-  Curve *c = &r->c;
-  s->nonfinite = !isfinite(s->loss) || (r->gnorm >= 0 && !isfinite(s->norm));
-  s->do_val = r->eval && !s->nonfinite && ((o->val_every > 0 && step % o->val_every == 0) || step == r->last);
-  if (!s->do_val)
-    return true;
-  r->last_val = validate(r->e, r->eval, r->val, r->val_first, r->val_batches, r->B * r->T, r->val_mean, r->err,
-                         sizeof r->err);
-  if (isnan(r->last_val)) {
-    progress_clear(&r->pg);
-    diag_file_error(o->model_path, "validation at step %lld: %s", (long long)step, r->err);
-    r->rc = 1;
-    return false;
-  }
-  if (c->nval == c->capval) {
-    c->capval = c->capval ? 2 * c->capval : 64;
-    c->val = rt_xrealloc(c->val, sizeof(double) * (size_t)c->capval);
-    c->val_step = rt_xrealloc(c->val_step, sizeof(int64_t) * (size_t)c->capval);
-  }
-  c->val[c->nval] = r->last_val;
-  c->val_step[c->nval++] = step - r->start;
-  for (int j = 0; j < r->met.n; j++)
-    push(&c->val_met, &c->nvalmet, &c->capvalmet, r->met.val[j] >= 0 ? r->val_mean[1 + r->met.val[j]] : NAN);
-  return true;
-}
-
 // A step with no batch (the text it reads changed: the loader said how): the run stops with the
 // weights of the step before.
 static void stop_without_batch(Run *r, const RunStep *s) {

@@ -89,10 +89,9 @@ bool finish_step(Run *r, RunStep *s);
 // The batches to validate an array dataset on: --val-batches (want) batches of B, at most as many
 // as its val split fills.
 int64_t array_val_batches(const Loader *val, int64_t B, int64_t want);
-// The mean validation loss over the first `batches` batches from `first`, on eval with train's
-// parameters; the means of eval's scalar outputs into mean[1..]; NaN with a message in err.
-double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
-                double *mean, char *err, size_t n);
+// Validation where step s is due one (every val_every and the last, unless it is not finite; sets
+// s->do_val, s->nonfinite), its figures into r->c; false after saying why it failed.
+bool validate_step(Run *r, RunStep *s);
 // The unigram entropy (nats/token) of dir's training shards; NaN, after a warning, where one cannot be read.
 double unigram_entropy(const char *dir, int64_t vocab);
 

@@ -1,5 +1,5 @@
-// validate.c: the validation loss (and the metrics) on held-out batches, during a run and in `mdlc
-// eval`, and the unigram entropy of the training tokens it is measured against.
+// validate.c: the validation loss (and the metrics) on held-out batches, at the steps of a run that
+// are due one and in `mdlc eval`, and the unigram entropy of the training tokens it is measured against.
 #include "runtime.h"
 #include "train_impl.h"
 
@@ -41,7 +41,7 @@ int64_t array_val_batches(const Loader *val, int64_t B, int64_t want) {
 
 // The mean validation loss, on the eval engine with the training parameters, and the means of its
 // scalar outputs in mean[1..] (val_means).
-double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
+static double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
                        double *mean, char *err, size_t n) {
   err[0] = 0;
   if (train->idle) // the training step's gradients and activations are dead until its next step
@@ -119,4 +119,36 @@ int train_eval(Engine *eval, const TrainOptions *o) {
   free(mean);
   loader_close(val);
   return ok ? 0 : 1;
+}
+// Validation at the steps it is due (every val_every and the last, unless the step is not finite),
+// its figures into the curves; false after saying why it failed.
+bool validate_step(Run *r, RunStep *s) {
+  // A loss or gradient norm that is not finite: the optimizer left the weights and moments as they
+  // were (emit_c.c, emit_cuda.c, engine.c's interpreter test the same two values), so they are the
+  // last finite ones.
+  const TrainOptions *o = r->o;
+  int64_t step = s->step;
+  Curve *c = &r->c;
+  s->nonfinite = !isfinite(s->loss) || (r->gnorm >= 0 && !isfinite(s->norm));
+  s->do_val = r->eval && !s->nonfinite && ((o->val_every > 0 && step % o->val_every == 0) || step == r->last);
+  if (!s->do_val)
+    return true;
+  r->last_val = validate(r->e, r->eval, r->val, r->val_first, r->val_batches, r->B * r->T, r->val_mean, r->err,
+                         sizeof r->err);
+  if (isnan(r->last_val)) {
+    progress_clear(&r->pg);
+    diag_file_error(o->model_path, "validation at step %lld: %s", (long long)step, r->err);
+    r->rc = 1;
+    return false;
+  }
+  if (c->nval == c->capval) {
+    c->capval = c->capval ? 2 * c->capval : 64;
+    c->val = rt_xrealloc(c->val, sizeof(double) * (size_t)c->capval);
+    c->val_step = rt_xrealloc(c->val_step, sizeof(int64_t) * (size_t)c->capval);
+  }
+  c->val[c->nval] = r->last_val;
+  c->val_step[c->nval++] = step - r->start;
+  for (int j = 0; j < r->met.n; j++)
+    push(&c->val_met, &c->nvalmet, &c->capvalmet, r->met.val[j] >= 0 ? r->val_mean[1 + r->met.val[j]] : NAN);
+  return true;
 }
