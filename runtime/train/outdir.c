@@ -1,10 +1,11 @@
-// outdir.c: a run's output folder OUT: claiming it for one run (OUT/lock), and what a resumed run
-// cuts back there (the log's lines past the checkpoint's step).
+// outdir.c: a run's output folder OUT: claiming it for one run (OUT/lock), and what a run clears
+// there before its first step (a resumed run's log lines past its checkpoint, writes cut short).
 #include "runtime.h"
 #include "train_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <glob.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -105,4 +106,14 @@ bool truncate_log(const char *path, int64_t step) {
     diag_file_error(path, "cannot cut the log back to step %lld: %s", (long long)step, strerror(errno));
   fclose(f);
   return ok;
+}
+// A write cut short (kill -9) leaves its temporary file; the checkpoint itself is whole.
+void remove_partial_writes(const char *ckpt) {
+  char pattern[PATH_MAX + 48];
+  snprintf(pattern, sizeof pattern, "%s.tmp.*", ckpt);
+  glob_t gl;
+  if (glob(pattern, 0, NULL, &gl) == 0)
+    for (size_t i = 0; i < gl.gl_pathc; i++)
+      unlink(gl.gl_pathv[i]);
+  globfree(&gl);
 }

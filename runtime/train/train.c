@@ -115,17 +115,6 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   train_release_out(lock, o->out_dir, false);
   return rc;
 }
-// A write cut short (kill -9) leaves its temporary file; the checkpoint itself is whole.
-static void remove_partial_writes(const char *ckpt) {
-  char pattern[PATH_MAX + 48];
-  snprintf(pattern, sizeof pattern, "%s.tmp.*", ckpt);
-  glob_t gl;
-  if (glob(pattern, 0, NULL, &gl) == 0)
-    for (size_t i = 0; i < gl.gl_pathc; i++)
-      unlink(gl.gl_pathv[i]);
-  globfree(&gl);
-}
-
 // The loaders, the checkpoint of a resumed run, the initial parameters and the log; false after
 // saying why, with nothing left open.
 static bool run_open(Run *r) {

@@ -17,6 +17,8 @@ typedef struct RunStep RunStep; // one step of it
 //
 // On --resume: log.jsonl cut back to the lines of the steps up to `step`; false after saying why.
 bool truncate_log(const char *path, int64_t step);
+// The temporary files of checkpoint writes cut short (kill -9) next to ckpt, removed.
+void remove_partial_writes(const char *ckpt);
 //
 // step.c: one optimizer step's parts.
 //
