@@ -14,6 +14,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+void out_files(const char *dir, OutFiles *f) {
+  snprintf(f->ckpt, sizeof f->ckpt, "%s/checkpoint.safetensors", dir);
+  snprintf(f->log, sizeof f->log, "%s/log.jsonl", dir);
+  snprintf(f->svg, sizeof f->svg, "%s/loss.svg", dir);
+}
+
 // OUT/lock, held (flock) while a run writes into OUT: a second run into the same folder would
 // interleave its checkpoints and log lines with the first's. The file holds the holder's pid, for
 // the message; the lock itself goes with the process, however it ends.
@@ -51,15 +57,15 @@ int train_claim_out(const char *dir, bool resume, bool *created) {
   if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)len, 0) != len) {
     // (the pid is only for another run's message: a full disk does not stop this one here)
   }
-  char ckpt[PATH_MAX + 32], log_path[PATH_MAX + 16];
-  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", dir);
-  snprintf(log_path, sizeof log_path, "%s/log.jsonl", dir);
+  OutFiles out;
+  out_files(dir, &out);
   struct stat st;
   const char *refused = NULL;
-  if (!resume && access(ckpt, F_OK) == 0)
-    diag_file_error(refused = ckpt, "a checkpoint is already here: continue it with --resume, or choose another --out");
-  else if (!resume && stat(log_path, &st) == 0 && st.st_size > 0)
-    diag_file_error(refused = log_path, "the log of another run is already here, with no checkpoint to continue: "
+  if (!resume && access(out.ckpt, F_OK) == 0)
+    diag_file_error(refused = out.ckpt,
+                    "a checkpoint is already here: continue it with --resume, or choose another --out");
+  else if (!resume && stat(out.log, &st) == 0 && st.st_size > 0)
+    diag_file_error(refused = out.log, "the log of another run is already here, with no checkpoint to continue: "
                     "remove it, or choose another --out");
   if (refused) {
     train_release_out(fd, dir, *created);

@@ -377,7 +377,8 @@ void run_hooks(Run *r) {
   }
   if (r->fp8_shared && r->rc == 0)
     e->set_fp8_amax(e, fp8_amax_step, &r->fa);
-  ZeroShard *zero = r->zero = o->zero && world > 1 ? engine_shard(g, dist_rank(), world) : NULL; // (one process: no shards)
+  // (one process: no shards)
+  ZeroShard *zero = r->zero = o->zero && world > 1 ? engine_shard(g, dist_rank(), world) : NULL;
   if (zero && r->rc == 0 && !(e->set_shard && e->set_shard(e, zero, gather_params, &r->red))) {
     diag_file_error(o->model_path, "the %s back end cannot shard the optimizer's state (--zero 1)", e->name);
     r->rc = 1;

@@ -51,9 +51,9 @@ bool train_check_inputs(const Graph *g, const char *model_path, const char *data
   Arena *a = arena_new();
   StFile f;
   if (ok && resume) {
-    char ckpt[PATH_MAX + 32];
-    snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out_dir);
-    ok = st_read(a, ckpt, &f) && checkpoint_fits(a, &f, ckpt, g, model_path, false);
+    OutFiles out;
+    out_files(out_dir, &out);
+    ok = st_read(a, out.ckpt, &f) && checkpoint_fits(a, &f, out.ckpt, g, model_path, false);
   }
   if (ok && weights)
     ok = st_read(a, weights, &f);
@@ -103,18 +103,17 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
       diag_file_error(o->model_path, "training on arrays needs a dim B: the examples a batch");
     return 1;
   }
-  char ckpt[PATH_MAX + 32], log_path[PATH_MAX + 16], svg[PATH_MAX + 16];
-  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", o->out_dir);
-  snprintf(log_path, sizeof log_path, "%s/log.jsonl", o->out_dir);
-  snprintf(svg, sizeof svg, "%s/loss.svg", o->out_dir);
+  OutFiles out;
+  out_files(o->out_dir, &out);
   bool created;
   int lock = o->out_claimed ? -1 : train_claim_out(o->out_dir, o->resume, &created);
   if (!o->out_claimed && lock < 0)
     return 1;
-  int rc = train_loop(e, eval, micro, o, ckpt, log_path, svg);
+  int rc = train_loop(e, eval, micro, o, out.ckpt, out.log, out.svg);
   train_release_out(lock, o->out_dir, false);
   return rc;
 }
+
 // The loaders, the checkpoint of a resumed run, the initial parameters and the log; false after
 // saying why, with nothing left open.
 static bool run_open(Run *r) {
@@ -260,7 +259,8 @@ static bool skip_nonfinite(Run *r, const RunStep *s) {
   }
   char kept[PATH_MAX + 96] = "rank 0 keeps them";
   r->rc = 1;
-  if (r->zero && !gather_moments(r->e, r->zero, step, r->err, sizeof r->err)) // (every rank is here: the loss is shared)
+  // (every rank is here: the loss is shared)
+  if (r->zero && !gather_moments(r->e, r->zero, step, r->err, sizeof r->err))
     snprintf(kept, sizeof kept, "%s", r->err);
   else if (r->lead)
     keep_step_before(&r->writer, r->ckpt, r->e, o, step, r->ckpt_step, s->before, kept, sizeof kept);

@@ -6,6 +6,7 @@
 #include "data.h"
 #include "runtime.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 
@@ -15,6 +16,11 @@ typedef struct RunStep RunStep; // one step of it
 //
 // outdir.c: the output folder (its lock: runtime.h's train_claim_out).
 //
+// What a run writes where in OUT: its checkpoint, its log (a line a step) and its loss curve.
+typedef struct {
+  char ckpt[PATH_MAX + 32], log[PATH_MAX + 16], svg[PATH_MAX + 16];
+} OutFiles;
+void out_files(const char *dir, OutFiles *f);
 // On --resume: log.jsonl cut back to the lines of the steps up to `step`; false after saying why.
 bool truncate_log(const char *path, int64_t step);
 // The temporary files of checkpoint writes cut short (kill -9) next to ckpt, removed.
