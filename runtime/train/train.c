@@ -10,23 +10,20 @@
 // uninterrupted run); OUT/loss.svg is drawn at the end. Ctrl-C (SIGINT) or SIGTERM lets the step
 // under way finish, writes its checkpoint and stops (exit status 128 + the signal); a second one
 // stops at once, as kill -9 would.
+//
+// This file is the loop, stringing together the parts of the other files of runtime/train/ over one
+// state (Run, train_impl.h): step.c's step, validate.c's validation, trainlog.c's lines, ckpt.c's
+// checkpoints and outdir.c's output folder.
 #include "data.h"
 #include "runtime.h"
 #include "train_impl.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <glob.h>
 #include <limits.h>
 #include <math.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
-#include <sys/resource.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 bool train_check_inputs(const Graph *g, const char *model_path, const char *data_dir, const char *out_dir, bool resume,
