@@ -26,7 +26,7 @@ bool truncate_log(const char *path, int64_t step);
 // The temporary files of checkpoint writes cut short (kill -9) next to ckpt, removed.
 void remove_partial_writes(const char *ckpt);
 //
-// step.c: one optimizer step's parts.
+// step.c: one optimizer step: its batch through the engine, and its figures.
 //
 // The metrics: every scalar output besides the loss (an accuracy, an auxiliary loss), each step's
 // value (the mean over its micro-batches, as the loss) and each validation's (the mean over its
@@ -90,7 +90,6 @@ enum { STEP_RAN, STEP_FAILED, STEP_NO_BATCH }; // what train_step did
 int train_step(Run *r, RunStep *s);
 // The step's figures over the ranks (and s->stop on any rank), its time, the curves; false after saying why.
 bool finish_step(Run *r, RunStep *s);
-
 //
 // validate.c: the validation loss.
 //
@@ -102,9 +101,8 @@ int64_t array_val_batches(const Loader *val, int64_t B, int64_t want);
 bool validate_step(Run *r, RunStep *s);
 // The unigram entropy (nats/token) of dir's training shards; NaN, after a warning, where one cannot be read.
 double unigram_entropy(const char *dir, int64_t vocab);
-
 //
-// trainlog.c: the step lines, the progress line and the loss curve.
+// trainlog.c: the step lines and log.jsonl's, the progress line, the summary and the loss curve.
 //
 // The run's curves, for OUT/loss.svg.
 typedef struct {
@@ -129,7 +127,6 @@ void progress_clear(Progress *p); // the progress line off the screen, before an
 // log that cannot be written is said once, and ends the run (log_failed, rc 1).
 void log_step(Run *r, const RunStep *s);
 void log_summary(Run *r); // the end of a run that trained: its rates, final figures, OUT/loss.svg
-
 //
 // ckpt.c: the checkpoint, written in the background between steps and read on --resume.
 //
