@@ -21,7 +21,7 @@ static uint64_t step_seed(uint64_t seed, int64_t step) {
 // reads them; n a row's values times the rows (B*T). With several ranks (dist.c) the loaders give the
 // global batch, dist_size() times the rows, and each rank takes its own slice: rows [r*B, (r+1)*B)
 // on rank r.
-bool feed(Engine *e, const Batch *b, int64_t n) {
+bool feed_batch(Engine *e, const Batch *b, int64_t n) {
   int rank = dist_on() ? dist_rank() : 0, world = dist_on() ? dist_size() : 1;
   int64_t at = (int64_t)rank * n;
   for (int i = 0; i < b->ninputs; i++) {
@@ -207,7 +207,7 @@ static bool fp8_calibrate(Accum *ac, Engine *e, Loader *train, int64_t k, int64_
     if (!loader_next(train, &batch))
       return rt_fail(err, n, "no batch for micro-batch %lld (the training data failed)", (long long)j + 1);
     ac->micro->set_seed(ac->micro, step_seed(seed, step * k + j));
-    if (!feed(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
+    if (!feed_batch(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
       return false;
     fp8_amax_micro(fa, ac->micro);
   }
@@ -240,7 +240,7 @@ static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int
     if (!loader_next(train, &batch))
       return rt_fail(err, n, "no batch for micro-batch %lld (the training data failed)", (long long)j + 1);
     ac->micro->set_seed(ac->micro, step_seed(seed, step * k + j));
-    if (!feed(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
+    if (!feed_batch(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
       return false;
     *loss_sum += engine_scalar(ac->micro, mg->loss);
     if (ac->fp8)
@@ -450,7 +450,7 @@ int train_step(Run *r, RunStep *s) {
   Reduce *red = &r->red;
   red->step = step, red->poison = !s->micro_finite, red->seconds = red->busy = red->gather = 0;
   r->fa.step = step;
-  if (!feed(e, &batch, r->B * r->T) || (s->run && !e->step(e, r->err, sizeof r->err))) {
+  if (!feed_batch(e, &batch, r->B * r->T) || (s->run && !e->step(e, r->err, sizeof r->err))) {
     progress_clear(&r->pg);
     diag_file_error(o->model_path, "step %lld: %s", (long long)step, r->err[0] ? r->err : "bad batch");
     r->rc = 1;
@@ -503,8 +503,8 @@ bool finish_step(Run *r, RunStep *s) {
   r->comm_total += red->seconds;
   r->busy_total += red->busy;
   r->real_total += s->real;
-  push(&r->c.loss, &r->c.n, &r->c.cap, s->loss);
+  curve_push(&r->c.loss, &r->c.n, &r->c.cap, s->loss);
   for (int j = 0; j < met->n; j++)
-    push(&r->c.met, &r->c.nmet, &r->c.capmet, met->now[j]);
+    curve_push(&r->c.met, &r->c.nmet, &r->c.capmet, met->now[j]);
   return true;
 }

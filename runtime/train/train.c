@@ -119,7 +119,7 @@ static bool run_open(Run *r) {
   Engine *e = r->e;
   r->B = ir_dim(g, "B"), r->T = o->arrays ? 1 : ir_dim(g, "T"), r->V = ir_dim(g, "V"); // (arrays: B examples)
   remove_partial_writes(r->ckpt);
-  // With several ranks the loaders give the global batch, N*B rows, and each rank takes its slice (feed).
+  // With several ranks the loaders give the global batch, N*B rows, and each rank takes its slice (feed_batch).
   r->world = dist_on() ? dist_size() : 1;
   r->lead = dist_rank() == 0; // writes the log, the checkpoints and the loss curve
   LoaderOptions lo = {.B = r->B * r->world, .T = r->T, .vocab = r->V, .pack = o->pack, .shuffle = o->shuffle,

@@ -73,7 +73,7 @@ typedef struct {
   double gather;  // in the all-gather of the updated parameters (--zero 1 on the CPU), this step
 } Reduce;
 // A batch's inputs into e, n a row's values times the rows (this rank's slice of them); false on error.
-bool feed(Engine *e, const Batch *b, int64_t n);
+bool feed_batch(Engine *e, const Batch *b, int64_t n);
 // Whether g can train on token shards; false after naming what is missing or extra.
 bool shards_fit(const Graph *g, const char *data_dir);
 void copy_params(Engine *from, Engine *to); // every parameter of `from` into `to` (two graphs of one model)
@@ -121,7 +121,7 @@ typedef struct {
   bool shown;  // the line is on the screen, with no newline after it
   double ema, weight; // the average's sum and the weight it has gathered (1 - 0.9^steps)
 } Progress;
-void push(double **a, int64_t *n, int64_t *cap, double v); // v appended to the array *a of *n (room for *cap)
+void curve_push(double **a, int64_t *n, int64_t *cap, double v); // v appended to the array *a of *n (room for *cap)
 void progress_clear(Progress *p); // the progress line off the screen, before anything else is printed
 // The step's line (a full one, else on a terminal the progress line) and its line of log.jsonl; a
 // log that cannot be written is said once, and ends the run (log_failed, rc 1).

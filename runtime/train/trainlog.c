@@ -82,7 +82,7 @@ static bool write_svg(const char *path, const Curve *c, const char *const *names
   return fclose(f) == 0 && rename(tmp, path) == 0;
 }
 
-void push(double **a, int64_t *n, int64_t *cap, double v) {
+void curve_push(double **a, int64_t *n, int64_t *cap, double v) {
   if (*n == *cap) {
     *cap = *cap ? 2 * *cap : 256;
     *a = rt_xrealloc(*a, sizeof(double) * (size_t)*cap);

@@ -21,7 +21,7 @@ static bool val_means(Engine *eval, Loader *val, LoaderState first, int64_t batc
   for (int64_t b = 0; b < batches; b++) {
     Batch batch;
     loader_next(val, &batch);
-    if (!feed(eval, &batch, BT) || !eval->step(eval, err, n))
+    if (!feed_batch(eval, &batch, BT) || !eval->step(eval, err, n))
       return false;
     mean[0] += engine_scalar(eval, g->loss);
     for (int i = 0; i < g->noutputs; i++)
@@ -149,6 +149,6 @@ bool validate_step(Run *r, RunStep *s) {
   c->val[c->nval] = r->last_val;
   c->val_step[c->nval++] = step - r->start;
   for (int j = 0; j < r->met.n; j++)
-    push(&c->val_met, &c->nvalmet, &c->capvalmet, r->met.val[j] >= 0 ? r->val_mean[1 + r->met.val[j]] : NAN);
+    curve_push(&c->val_met, &c->nvalmet, &c->capvalmet, r->met.val[j] >= 0 ? r->val_mean[1 + r->met.val[j]] : NAN);
   return true;
 }
