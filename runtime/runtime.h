@@ -285,7 +285,8 @@ typedef struct {
 // saying which field is bad and why, naming path; a checkpoint without mdl.format is no mdl checkpoint.
 bool ckpt_meta_read(Arena *a, const char *path, const StFile *f, CkptMeta *m);
 //
-// train.c: the training loop: shards (or their text) in, metrics, validation, checkpoints and resume, loss curve.
+// train.c: the training loop: shards (or their text) in, metrics, validation, checkpoints and resume, loss curve
+// (its parts in runtime/train/: train_impl.h).
 //
 typedef struct {
   const char *model_path;     // absolute path of the .mdl (recorded in checkpoints)
@@ -314,28 +315,40 @@ typedef struct {
 // gradients over k (NULL otherwise). Returns the exit status: 0, 1 after an error it reported, or
 // 128 + the signal when a SIGINT or SIGTERM stopped it (after writing the checkpoint of its last step).
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o);
-// The full step lines' interval for a run of `steps` steps when --log-every does not say: 20 to 50
-// lines a run (besides the first and last step's, and each validation's).
-int64_t train_log_every(int64_t steps);
-// `mdlc eval`: eval (the forward graph of the checkpoint's model, its parameters loaded) over the
-// first o->val_batches validation batches of o->data_dir, the batches a run with the same options
-// validates on; prints the mean loss and the mean of each scalar output. Returns the exit status.
-int train_eval(Engine *eval, const TrainOptions *o);
-// Claims the output folder for one run: creates it (*created) and locks it (flock on DIR/lock, which
-// holds the pid of the run that has it), and refuses, saying why, when another run holds it, or when
-// a run that does not resume would overwrite a checkpoint or a log. The lock's fd, or -1 after the
-// message. train_release_out closes it; with `remove`, the folder goes too when nothing else is in it.
-int train_claim_out(const char *dir, bool resume, bool *created);
 // What can be checked of a run's inputs before its model is compiled (10-20 s on a CPU): the shards
 // of data_dir (val's, and train's unless the batches come from the text), the checkpoint in out_dir
 // when resuming (its model configuration, every parameter's and moment's name and shape), and the
 // weights file (names and shapes), when given. False after saying why.
 bool train_check_inputs(const Graph *g, const char *model_path, const char *data_dir, const char *out_dir, bool resume,
                         bool from_text, const char *weights);
+//
+// validate.c: the validation loss, during a run and in `mdlc eval`.
+//
+// `mdlc eval`: eval (the forward graph of the checkpoint's model, its parameters loaded) over the
+// first o->val_batches validation batches of o->data_dir, the batches a run with the same options
+// validates on; prints the mean loss and the mean of each scalar output. Returns the exit status.
+int train_eval(Engine *eval, const TrainOptions *o);
+//
+// trainlog.c: what a run reports as it goes.
+//
+// The full step lines' interval for a run of `steps` steps when --log-every does not say: 20 to 50
+// lines a run (besides the first and last step's, and each validation's).
+int64_t train_log_every(int64_t steps);
+//
+// ckpt.c: the training checkpoint, written and read.
+//
 // The tokenizer of a run that resumes the checkpoint ckpt on data whose tokenizer is tok_path: that
 // file (the data's shards were made with it), or where it is gone, the copy the checkpoint stores;
 // a warning when both are there and differ. NULL after saying why.
 struct Tokenizer *train_resume_tokenizer(const char *ckpt, const char *tok_path);
+//
+// outdir.c: a run's output folder.
+//
+// Claims the output folder for one run: creates it (*created) and locks it (flock on DIR/lock, which
+// holds the pid of the run that has it), and refuses, saying why, when another run holds it, or when
+// a run that does not resume would overwrite a checkpoint or a log. The lock's fd, or -1 after the
+// message. train_release_out closes it; with `remove`, the folder goes too when nothing else is in it.
+int train_claim_out(const char *dir, bool resume, bool *created);
 void train_release_out(int fd, const char *dir, bool remove);
 //
 // gemm.c: signals while a GEMM library runs.

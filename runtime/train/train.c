@@ -11,376 +11,20 @@
 // under way finish, writes its checkpoint and stops (exit status 128 + the signal); a second one
 // stops at once, as kill -9 would.
 //
-// The checkpoint is a safetensors file: every parameter under its .mdl name, the optimizer's moments
-// as "<param>.m" / "<param>.v" (those it keeps), and __metadata__ strings: mdl.format, mdl.optimizer
-// (adamw, sgd or lion: a run resumes only its own optimizer's moments), mdl.source (the .mdl path),
-// mdl.model, mdl.dims (every dim, "name=value,..."), mdl.step, mdl.seed, mdl.loader ("epoch,position"),
-// mdl.data, mdl.tokenizer (its path); what else decides the order of the batches, which a resumed run
-// takes from them (main.c's resume_batch_order; B and T are dims): mdl.shuffle and mdl.pack ("true"
-// or "false") and mdl.accumulate (micro-batches a step); and the two files those paths name, so that a checkpoint moved
-// away from them still samples and resumes: mdl.source_text (the .mdl text the run compiled) and
-// mdl.tokenizer_base64 (tokenizer.bin's bytes in base64). Metadata strings rather than tensors: the
-// tensors stay the model's parameters and moments, which is what other readers load by name, and
-// safetensors keeps free-form strings there (a tokenizer of 50k merges is 0.5 MB of base64, well
-// within a reader's header limit). Checkpoints written before these were stored lack them.
-// Precision fp8 adds its scaling state (mdl.h, Fp8State): the tensors fp8.scale [n] and
-// fp8.amax_history [n, H] and the metadata mdl.fp8_recorded (the steps in the histories); every
-// checkpoint says mdl.precision. A resumed fp8 run continues with them bit for bit; a checkpoint
-// without them (another precision), or with another model's, is refused for it.
+// This file is the loop, stringing together the parts of the other files of runtime/train/ over one
+// state (Run, train_impl.h): step.c's step, validate.c's validation, trainlog.c's lines, ckpt.c's
+// checkpoints and outdir.c's output folder.
 #include "data.h"
-#include "fp8_state.h"
 #include "runtime.h"
+#include "train_impl.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <glob.h>
 #include <limits.h>
 #include <math.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
-#include <sys/resource.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
-
-// With several ranks (dist.c), B is the global batch, the ranks' B times their number: a checkpoint
-// of 2 ranks at B=2 is one of B=4, which 1 process at B=4 or 4 ranks at B=1 resume.
-static char *dims_string(const Graph *g) {
-  size_t cap = 1, len = 0; // (each dim: a comma, its name, '=' and at most 20 digits and a sign)
-  for (int i = 0; i < g->ndims; i++)
-    cap += strlen(g->dims[i].name) + 23;
-  char *s = rt_xrealloc(NULL, cap);
-  s[0] = 0;
-  for (int i = 0; i < g->ndims; i++)
-    len += (size_t)snprintf(s + len, cap - len, "%s%s=%lld", i ? "," : "", g->dims[i].name,
-                            (long long)g->dims[i].value * (strcmp(g->dims[i].name, "B") ? 1 : dist_size()));
-  return s;
-}
-
-// The per-step seed of dropout masks: a function of the run's seed and the step, so a resumed run
-// draws the same masks as an uninterrupted one; rank 0's as one process's, the other ranks' each their
-// own (their slices of the batch get masks of their own, not rank 0's again).
-static uint64_t step_seed(uint64_t seed, int64_t step) {
-  uint64_t s = mdl_rng_u64(seed, 0x5eed, (uint64_t)step);
-  return dist_rank() ? mdl_rng_u64(s, 0x7a4b, (uint64_t)dist_rank()) : s;
-}
-
-// A batch's inputs: an array dataset's, else the tokens and targets, and pos and doc where the model
-// reads them; n a row's values times the rows (B*T). With several ranks (dist.c) the loaders give the
-// global batch, dist_size() times the rows, and each rank takes its own slice: rows [r*B, (r+1)*B)
-// on rank r.
-static bool feed(Engine *e, const Batch *b, int64_t n) {
-  int rank = dist_on() ? dist_rank() : 0, world = dist_on() ? dist_size() : 1;
-  int64_t at = (int64_t)rank * n;
-  for (int i = 0; i < b->ninputs; i++) {
-    int64_t each = b->inputs[i].numel / world, from = each * rank;
-    if (!e->set_input(e, b->inputs[i].name, b->inputs[i].ids ? b->inputs[i].ids + from : NULL,
-                      b->inputs[i].f ? b->inputs[i].f + from : NULL, each))
-      return false;
-  }
-  return b->ninputs > 0 ||
-         (e->set_input(e, "tokens", b->tokens + at, NULL, n) && e->set_input(e, "targets", b->targets + at, NULL, n) &&
-          (rt_input_node(e->g, "pos") < 0 || e->set_input(e, "pos", b->pos + at, NULL, n)) &&
-          (rt_input_node(e->g, "doc") < 0 || e->set_input(e, "doc", b->doc + at, NULL, n)));
-}
-
-// Every parameter, then every AdamW moment (when the engine's graph has them).
-static int checkpoint_nodes(const Graph *g, int *nodes) {
-  int n = 0;
-  for (int i = 0; i < g->nparams; i++)
-    nodes[n++] = g->params[i];
-  for (int i = 0; i < g->n; i++)
-    if (g->nodes[i]->op == OP_STATE)
-      nodes[n++] = i;
-  return n;
-}
-
-// Checkpoints are written in the background: the parameters and moments are read from the engine
-// between two steps, then a thread writes them (atomically, as st_write_meta writes) while the next
-// steps run. An engine that can copy them within its own memory (Engine.snapshot: a GPU's, in about
-// a millisecond) is read by the thread instead, from that copy. One write at a time: the next
-// checkpoint, and the end of the run, wait for the last; a write that failed stops the run at the end
-// of the step that notices it (ckpt_poll). The buffers the values are read into are kept from one
-// checkpoint to the next (ckpt_free at the end): GPT-2 124M's 1.5 GB took 0.74-1.03 s to read into
-// fresh ones here, most of it the first touch of their pages, and 3.1-5.4 s to write, against 0.8 s a
-// step at B=1, T=32 (30 ms on an H200). Where the engine's values lie in host memory (Engine.values:
-// the CPU's arena), a copy would double the memory the parameters and moments take, so the
-// checkpoint is written from them in place, the steps waiting for it.
-enum { CKPT_META = 17 };
-typedef struct {
-  pthread_t thread;
-  bool running, threaded; // a write is under way (threaded: on its own thread)
-  bool ok;                // the last write's result
-  bool done;              // the thread has set ok (atomic)
-  const char *path;
-  Engine *snap; // the engine whose snapshot the thread reads them from, or NULL (read before)
-  StTensor *t; // the parameters and moments, in buffers kept for the next checkpoint
-  bool in_place; // t's data are the engine's own (Engine.values), not buffers of ours
-  int *nodes;  // their nodes
-  int n;
-  StMeta meta[CKPT_META];
-  int nmeta;
-  int nt;           // tensors written: the n above, then precision fp8's state
-  float *fp8;       // its copy: the scales, then the histories
-  char fp8_recorded[32];
-  char step_s[32], seed_s[32], loader_s[64], acc_s[32], *dims;
-} CkptWriter;
-
-static void *ckpt_write(void *arg) {
-  CkptWriter *w = arg;
-  if (w->threaded) { // (SIGINT and SIGTERM go to the training loop's thread)
-    sigset_t stops;
-    sigemptyset(&stops);
-    sigaddset(&stops, SIGINT);
-    sigaddset(&stops, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &stops, NULL);
-  }
-  bool ok = true;
-  char why[256];
-  for (int i = 0; w->snap && ok && i < w->n; i++)
-    if (!(ok = w->snap->read_snapshot(w->snap, w->nodes[i], w->t[i].data, why, sizeof why)))
-      diag_file_error(w->path, "cannot write the checkpoint: %s", why);
-  w->ok = ok && st_write_meta(w->path, w->t, w->nt, w->meta, w->nmeta);
-  __atomic_store_n(&w->done, true, __ATOMIC_RELEASE);
-  return NULL;
-}
-
-// Waits for the write under way, if any; false when the last write failed (it said why).
-static bool ckpt_wait(CkptWriter *w) {
-  if (!w->running)
-    return w->ok;
-  if (w->threaded)
-    pthread_join(w->thread, NULL);
-  w->running = false;
-  return w->ok;
-}
-
-// Waits as ckpt_wait does, then frees the buffers.
-static bool ckpt_free(CkptWriter *w) {
-  bool ok = ckpt_wait(w);
-  for (int i = 0; w->t && !w->in_place && i < w->n; i++)
-    free(w->t[i].data);
-  free(w->t);
-  free(w->nodes);
-  free(w->dims);
-  free(w->fp8);
-  *w = (CkptWriter){.ok = ok};
-  return ok;
-}
-
-// False when the last write has ended and failed; a write still under way is left to run.
-static bool ckpt_poll(CkptWriter *w) {
-  return !w->running || !__atomic_load_n(&w->done, __ATOMIC_ACQUIRE) || ckpt_wait(w);
-}
-
-// Reads the checkpoint of `step` from e and starts its write, once the last one is done; false when
-// that one failed.
-static bool ckpt_start(CkptWriter *w, const char *path, Engine *e, const TrainOptions *o, int64_t step,
-                       LoaderState ls) {
-  if (!ckpt_wait(w))
-    return false;
-  const Graph *g = e->g;
-  if (!w->t) { // (the first checkpoint of the run: the same nodes every time)
-    w->nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
-    w->n = w->nt = checkpoint_nodes(g, w->nodes);
-    w->t = rt_xrealloc(NULL, (size_t)(w->n + 2) * sizeof *w->t);
-    w->in_place = e->values != NULL;
-    for (int i = 0; i < w->n; i++) {
-      const IrNode *x = g->nodes[w->nodes[i]];
-      w->t[i] = (StTensor){.name = x->name, .dtype = DT_F32, .shape = x->shape,
-                           .data = w->in_place ? NULL : rt_xrealloc(NULL, sizeof(float) * (size_t)(shape_numel(x->shape) + 1))};
-    }
-    w->dims = dims_string(g);
-  }
-  w->snap = !w->in_place && e->snapshot && e->snapshot(e) ? e : NULL;
-  for (int i = 0; w->in_place && i < w->n; i++)
-    w->t[i].data = (void *)e->values(e, w->nodes[i]);
-  for (int i = 0; !w->snap && !w->in_place && i < w->n; i++)
-    e->read(e, w->nodes[i], w->t[i].data);
-  snprintf(w->step_s, sizeof w->step_s, "%lld", (long long)step);
-  snprintf(w->seed_s, sizeof w->seed_s, "%llu", (unsigned long long)o->seed);
-  snprintf(w->loader_s, sizeof w->loader_s, "%lld,%lld", (long long)ls.epoch, (long long)ls.position);
-  snprintf(w->acc_s, sizeof w->acc_s, "%lld", (long long)(g->train.accumulate > 1 ? g->train.accumulate : 1));
-  StMeta meta[] = {{"mdl.format", CKPT_FORMAT}, {"mdl.source", o->model_path}, {"mdl.model", g->model},
-                   {"mdl.dims", w->dims}, {"mdl.step", w->step_s}, {"mdl.seed", w->seed_s},
-                   {"mdl.loader", w->loader_s}, {"mdl.data", o->data_dir},
-                   {"mdl.tokenizer", o->tokenizer_path}, {"mdl.shuffle", o->shuffle ? "true" : "false"},
-                   {"mdl.pack", o->pack ? "true" : "false"}, {"mdl.accumulate", w->acc_s},
-                   {"mdl.optimizer", opt_rule_name(g->train.optimizer)}};
-  memcpy(w->meta, meta, sizeof meta);
-  w->nmeta = (int)(sizeof meta / sizeof *meta); // (then the stored copies: CKPT_META in all)
-  w->meta[w->nmeta++] = (StMeta){"mdl.precision", g->train.precision};
-  const Fp8State *st = e->fp8 ? e->fp8(e) : NULL;
-  if (st) { // (copied now: the next step changes it while the write runs)
-    size_t n = (size_t)st->n, nh = n * (size_t)st->H;
-    w->fp8 = rt_xrealloc(w->fp8, sizeof(float) * (n + nh));
-    memcpy(w->fp8, st->scale, sizeof(float) * n);
-    memcpy(w->fp8 + n, st->hist, sizeof(float) * nh);
-    w->t[w->n] = (StTensor){.name = "fp8.scale", .dtype = DT_F32, .shape = shape_of(1, (int64_t[]){st->n}), .data = w->fp8};
-    w->t[w->n + 1] = (StTensor){.name = "fp8.amax_history", .dtype = DT_F32,
-                                .shape = shape_of(2, (int64_t[]){st->n, st->H}), .data = w->fp8 + n};
-    w->nt = w->n + 2;
-    snprintf(w->fp8_recorded, sizeof w->fp8_recorded, "%lld", (long long)st->recorded);
-    w->meta[w->nmeta++] = (StMeta){"mdl.fp8_recorded", w->fp8_recorded};
-  }
-  if (g->source)
-    w->meta[w->nmeta++] = (StMeta){"mdl.source_text", g->source};
-  if (o->tokenizer_base64)
-    w->meta[w->nmeta++] = (StMeta){"mdl.tokenizer_base64", o->tokenizer_base64};
-  w->path = path;
-  w->running = w->threaded = true;
-  w->done = false;
-  if (w->in_place) { // (written before the next step changes them)
-    w->threaded = false;
-    ckpt_write(w);
-  } else if (pthread_create(&w->thread, NULL, ckpt_write, w) != 0) {
-    w->threaded = false;
-    ckpt_write(w); // (no thread to be had: written here)
-  }
-  return true;
-}
-
-// Whether a checkpoint read into f is one of g's: the format, the metadata, the model's dims, and
-// every parameter's and moment's name and shape; false after saying why. The model given
-// (model_path, or the model file where NULL) decides: where its text is not the one the checkpoint
-// stores, its parameters must still have the checkpoint's names and shapes (a refusal that says the
-// model changed, else, with warn, a warning).
-static bool checkpoint_fits(Arena *a, const StFile *f, const char *path, const Graph *g, const char *model_path,
-                            bool warn) {
-  CkptMeta meta;
-  bool ok = ckpt_meta_read(a, path, f, &meta);
-  const char *model = model_path ? model_path : "the model file";
-  const char *stored = ok ? st_meta(f, "mdl.source_text") : NULL;
-  bool changed = stored && g->source && strcmp(stored, g->source);
-  const char *why = changed ? arena_printf(a, " (%s differs from the model this checkpoint was trained with, "
-                                           "stored in it)", model) : "";
-  char *dims = dims_string(g);
-  const char *cdims = meta.dims_text;
-  if (ok && (!cdims || meta.step < 0 || !meta.has_loader || !meta.has_seed)) {
-    diag_file_error(path, "checkpoint metadata is incomplete");
-    ok = false;
-  } else if (ok && strcmp(cdims, dims)) {
-    diag_file_error(path, "checkpoint of another model configuration: it has %s, this run %s%s", cdims, dims, why);
-    ok = false;
-  }
-  free(dims);
-  // The moments are the optimizer's own (AdamW's m is not Lion's, SGD's m is a velocity): a training
-  // graph resumes only a checkpoint of its optimizer (one written before this was stored: AdamW).
-  const char *copt = ok ? meta.optimizer : NULL;
-  const char *gopt = opt_rule_name(g->train.optimizer);
-  if (ok && g->updates && strcmp(copt ? copt : "adamw", gopt)) {
-    diag_file_error(path, "checkpoint of a run with optimizer %s, this run uses %s: their moments differ, so it "
-                    "cannot be continued with %s (a new run can start from its parameters: --weights %s)",
-                    copt ? copt : "adamw", gopt, gopt, path);
-    ok = false;
-  }
-  int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
-  int n = ok ? checkpoint_nodes(g, nodes) : 0;
-  const char *prefix = changed ? arena_printf(a, "%s differs from the model this checkpoint was trained with "
-                                              "(stored in it), and so do its parameters: ", model)
-                               : arena_printf(a, "checkpoint does not match %s: ", g->model);
-  for (int i = 0; ok && i < n; i++)
-    ok = st_expect(f, path, prefix, g->nodes[nodes[i]]) != NULL;
-  if (ok && changed && warn)
-    fprintf(stderr, "%s: warning: %s differs from the model this checkpoint was trained with (stored in it); "
-            "resuming with %s, whose parameters have the same names and shapes\n", path, model, model);
-  free(nodes);
-  return ok;
-}
-
-// Precision fp8's scaling state from checkpoint f into e (nothing where neither has one); false after
-// saying why where one has it and the other not, or where it is another model's.
-static bool read_fp8_state(const StFile *f, const CkptMeta *meta, const char *path, Engine *e) {
-  const StTensor *sc = st_find(f, "fp8.scale"), *hi = st_find(f, "fp8.amax_history");
-  const char *prec = meta->precision;
-  bool rec = meta->fp8_recorded >= 0;
-  Fp8State *st = e->fp8 ? e->fp8(e) : NULL;
-  const char *mine = e->g->train.precision;
-  if (!st && !sc)
-    return true;
-  if (!st || !sc || !hi || !rec) {
-    diag_file_error(path, "checkpoint of a run in precision %s, this run is %s: %s, so it cannot be continued "
-                    "(a new run can start from its parameters: --weights %s)", prec ? prec : sc ? "fp8" : "fp32 or bf16",
-                    mine, st ? "it holds no fp8 scales and amax histories to continue with"
-                             : "its fp8 scales and amax histories would be dropped", path);
-    return false;
-  }
-  if (sc->dtype != DT_F32 || hi->dtype != DT_F32 || sc->shape.rank != 1 || sc->shape.d[0] != st->n ||
-      hi->shape.rank != 2 || hi->shape.d[0] != st->n || hi->shape.d[1] != st->H) {
-    diag_file_error(path, "its fp8 state is for %lld scaled tensors with %lld steps of amax history, this run has %d "
-                    "with %d (another model, or amax_history changed)", (long long)sc->shape.d[0],
-                    (long long)(hi->shape.rank == 2 ? hi->shape.d[1] : 0), st->n, st->H);
-    return false;
-  }
-  memcpy(st->scale, sc->data, sizeof(float) * (size_t)st->n);
-  memcpy(st->hist, hi->data, sizeof(float) * (size_t)st->n * (size_t)st->H);
-  st->recorded = meta->fp8_recorded;
-  return true;
-}
-
-// Loads a checkpoint into e after checking that it was written for this model (checkpoint_fits);
-// fills step, loader state and seed. With the optimizer's state in `shards` (--zero 1 over that many
-// ranks) this rank loads the moments of its own shard only.
-static bool read_checkpoint(const char *path, Engine *e, const char *model_path, int shards, int64_t *step,
-                            LoaderState *ls, uint64_t *seed) {
-  const Graph *g = e->g;
-  ZeroShard *zero = shards > 1 ? engine_shard(g, dist_rank(), shards) : NULL; // (--zero 1)
-  Arena *a = arena_new();
-  StFile f;
-  CkptMeta meta;
-  bool ok = st_read(a, path, &f) && checkpoint_fits(a, &f, path, g, model_path, true) &&
-            ckpt_meta_read(a, path, &f, &meta);
-  int *nodes = rt_xrealloc(NULL, sizeof(int) * (size_t)g->n);
-  int n = ok ? checkpoint_nodes(g, nodes) : 0;
-  for (int i = 0; ok && i < n; i++) {
-    const StTensor *t = st_find(&f, g->nodes[nodes[i]]->name);
-    int64_t bad = rt_first_nonfinite(t->data, shape_numel(g->nodes[nodes[i]]->shape));
-    if (bad >= 0) {
-      diag_file_error(path, "tensor '%s' is not finite (element %lld is %g): this checkpoint cannot be continued",
-                      t->name, (long long)bad, (double)((const float *)t->data)[bad]);
-      ok = false;
-    }
-  }
-  for (int i = 0; ok && i < n; i++) // (--zero 1: a rank keeps the moments of its own shard)
-    if (!zero || g->nodes[nodes[i]]->op != OP_STATE || engine_shard_owner(zero, g, nodes[i]) == zero->rank)
-      e->write(e, nodes[i], st_find(&f, g->nodes[nodes[i]]->name)->data);
-  ok = ok && read_fp8_state(&f, &meta, path, e);
-  if (ok) {
-    *step = meta.step;
-    *seed = meta.seed;
-    *ls = (LoaderState){meta.epoch, meta.position};
-  }
-  free(nodes);
-  engine_shard_free(zero);
-  arena_free(a);
-  return ok;
-}
-
-// Whether g can train on token shards: dims B, T and V, the inputs tokens and targets, pos and doc
-// where it reads them, and no other; false after naming what is missing or extra.
-static bool shards_fit(const Graph *g, const char *data_dir) {
-  const char *missing = ir_dim(g, "B") <= 0 ? "dim B" : ir_dim(g, "T") <= 0 ? "dim T" : ir_dim(g, "V") <= 0 ? "dim V"
-                        : rt_input_node(g, "tokens") < 0 ? "input tokens" : rt_input_node(g, "targets") < 0 ?
-                        "input targets" : NULL;
-  if (missing) {
-    diag_file_error(data_dir, "token shards train a model with dims B, T and V and the inputs tokens and targets "
-                    "(pos and doc where it reads them): the model has no %s; a model of other inputs trains on an "
-                    "array dataset (.npy, .npz or .safetensors files, docs/options.md)", missing);
-    return false;
-  }
-  for (int i = 0; i < g->fwd_end; i++) {
-    const char *name = g->nodes[i]->op == OP_INPUT ? g->nodes[i]->name : NULL;
-    if (name && strcmp(name, "tokens") && strcmp(name, "targets") && strcmp(name, "pos") && strcmp(name, "doc")) {
-      diag_file_error(data_dir, "token shards give the inputs tokens, targets, pos and doc, not the model's input "
-                      "'%s': train it on an array dataset (.npy, .npz or .safetensors files, docs/options.md)", name);
-      return false;
-    }
-  }
-  return true;
-}
 
 bool train_check_inputs(const Graph *g, const char *model_path, const char *data_dir, const char *out_dir, bool resume,
                         bool from_text, const char *weights) {
@@ -404,9 +48,9 @@ bool train_check_inputs(const Graph *g, const char *model_path, const char *data
   Arena *a = arena_new();
   StFile f;
   if (ok && resume) {
-    char ckpt[PATH_MAX + 32];
-    snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", out_dir);
-    ok = st_read(a, ckpt, &f) && checkpoint_fits(a, &f, ckpt, g, model_path, false);
+    OutFiles out;
+    out_files(out_dir, &out);
+    ok = st_read(a, out.ckpt, &f) && checkpoint_fits(a, &f, out.ckpt, g, model_path, false);
   }
   if (ok && weights)
     ok = st_read(a, weights, &f);
@@ -414,641 +58,6 @@ bool train_check_inputs(const Graph *g, const char *model_path, const char *data
     ok = st_expect(&f, weights, "", g->nodes[g->params[i]]) != NULL;
   arena_free(a);
   return ok;
-}
-
-// Copies every parameter of `from` into `to` (engines of two graphs of one model): memory to memory
-// where both engines can (Engine.take_params: on a GPU, GPT-2's 500 MB no longer go down to the host
-// and back up for each validation), else through host memory.
-static void copy_params(Engine *from, Engine *to) {
-  if (to->take_params && to->take_params(to, from))
-    return;
-  float *buf = NULL;
-  for (int i = 0; i < from->g->nparams; i++) {
-    buf = rt_xrealloc(buf, sizeof(float) * (size_t)shape_numel(from->g->nodes[from->g->params[i]]->shape));
-    from->read(from, from->g->params[i], buf);
-    to->write(to, to->g->params[i], buf);
-  }
-  free(buf);
-}
-
-// The means over the first `batches` validation batches (from `first`) of the loss, into mean[0], and
-// of the scalar outputs of eval's graph, into mean[1..] (in the graph's order). The same batches
-// every time, so that the figures of one run compare, a resumed run's equal an uninterrupted one's,
-// and `mdlc eval` on a checkpoint gives the figures of the run that wrote it.
-static bool val_means(Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT, double *mean,
-                      char *err, size_t n) {
-  const Graph *g = eval->g;
-  if (!loader_seek(val, first))
-    return rt_fail(err, n, "cannot go back to the first validation batch");
-  for (int i = 0; i <= g->noutputs; i++)
-    mean[i] = 0;
-  for (int64_t b = 0; b < batches; b++) {
-    Batch batch;
-    loader_next(val, &batch);
-    if (!feed(eval, &batch, BT) || !eval->step(eval, err, n))
-      return false;
-    mean[0] += engine_scalar(eval, g->loss);
-    for (int i = 0; i < g->noutputs; i++)
-      mean[i + 1] += engine_scalar(eval, g->outputs[i]);
-  }
-  for (int i = 0; i <= g->noutputs; i++)
-    mean[i] /= (double)batches * (dist_on() ? dist_size() : 1);
-  return dist_sum_f64(mean, g->noutputs + 1, "a validation", -1, err, n); // (each rank's own slices)
-}
-
-// Arrays validate on the first `want` (--val-batches) batches of B examples, at most as many as the
-// val split fills, so that no example counts twice (one batch, wrapping, where it holds fewer than B).
-static int64_t array_val_batches(const Loader *val, int64_t B, int64_t want) {
-  int64_t fill = loader_rows(val) / B;
-  return fill < 1 ? 1 : fill < want ? fill : want;
-}
-
-// The mean validation loss, on the eval engine with the training parameters, and the means of its
-// scalar outputs in mean[1..] (val_means).
-static double validate(Engine *train, Engine *eval, Loader *val, LoaderState first, int64_t batches, int64_t BT,
-                       double *mean, char *err, size_t n) {
-  err[0] = 0;
-  if (train->idle) // the training step's gradients and activations are dead until its next step
-    train->idle(train, false);
-  copy_params(train, eval);
-  double loss = val_means(eval, val, first, batches, BT, mean, err, n) ? mean[0] : NAN;
-  if (isnan(loss) && !err[0])
-    rt_fail(err, n, "the validation loss is NaN: the model's outputs on the validation batches are not finite, "
-            "though the training step's loss and gradient norm were");
-  if (eval->idle) // its parameters come anew from the training engine at the next validation
-    eval->idle(eval, true);
-  return loss;
-}
-
-// Unigram entropy (nats/token) of the training tokens: the loss of a model that knows only token
-// frequencies; the trained model must end well below it. A figure for the log only: a shard that
-// cannot be read for it (mapped a second time, under a memory limit) leaves it out (NaN) with a
-// warning, and the run goes on (the loader has the shards it trains on).
-static double unigram_entropy(const char *dir, int64_t vocab) {
-  char **paths;
-  int n = shard_list(dir, "train", &paths);
-  double *count = calloc((size_t)vocab, sizeof *count), total = 0, h = 0;
-  if (!count) { // (a figure for the log only)
-    shard_list_free(paths, n);
-    return NAN;
-  }
-  for (int i = 0; i < n; i++) {
-    Shard s;
-    char why[200];
-    if (!shard_map(&s, paths[i], vocab, why, sizeof why)) {
-      fprintf(stderr, "mdlc: warning: %s: %s; the unigram entropy is left out\n", paths[i], why);
-      total = 0;
-      break;
-    }
-    for (int64_t k = 0; k < s.n; k++)
-      count[s.tokens[k]]++;
-    total += (double)s.n;
-    shard_close(&s);
-  }
-  for (int64_t v = 0; total > 0 && v < vocab; v++)
-    if (count[v] > 0)
-      h -= count[v] / total * log(count[v] / total);
-  free(count);
-  shard_list_free(paths, n);
-  return total > 0 ? h : NAN;
-}
-
-typedef struct {
-  double *loss, *val;
-  int64_t *val_step;
-  int64_t n, nval, cap, capval;
-  double *met, *val_met; // the metrics' values (Metrics), a step's (or a validation's) after another's
-  int64_t nmet, capmet, nvalmet, capvalmet;
-} Curve;
-
-// OUT/loss.svg: the training loss per step and the validation loss, on one set of axes, and each
-// metric (names[0, nmet)) as a line of its own colour with its validation values as squares.
-static bool write_svg(const char *path, const Curve *c, const char *const *names, int nmet, double unigram,
-                      bool arrays) {
-  static const char *colour[] = {"seagreen", "darkorange", "purple", "olive", "teal", "sienna"};
-  char tmp[PATH_MAX + 40];
-  snprintf(tmp, sizeof tmp, "%s.tmp", path);
-  FILE *f = fopen(tmp, "w");
-  if (!f)
-    return false;
-  double lo = INFINITY, hi = -INFINITY;
-  for (int64_t i = 0; i < c->n; i++)
-    if (isfinite(c->loss[i]))
-      lo = fmin(lo, c->loss[i]), hi = fmax(hi, c->loss[i]);
-  for (int64_t i = 0; i < c->nval; i++)
-    lo = fmin(lo, c->val[i]), hi = fmax(hi, c->val[i]);
-  for (int64_t i = 0; i < c->nmet; i++)
-    if (isfinite(c->met[i]))
-      lo = fmin(lo, c->met[i]), hi = fmax(hi, c->met[i]);
-  for (int64_t i = 0; i < c->nvalmet; i++)
-    if (isfinite(c->val_met[i]))
-      lo = fmin(lo, c->val_met[i]), hi = fmax(hi, c->val_met[i]);
-  if (isfinite(unigram))
-    lo = fmin(lo, unigram), hi = fmax(hi, unigram);
-  if (!(hi > lo))
-    hi = lo + 1;
-  const double W = 640, H = 400, L = 60, R = 20, T = 30, Bm = 40;
-  double xs = (W - L - R) / (double)(c->n > 1 ? c->n - 1 : 1), ys = (H - T - Bm) / (hi - lo);
-#define X(i) (L + (double)(i) * xs)
-#define Y(v) (H - Bm - ((v) - lo) * ys)
-  fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\" "
-             "font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n", W, H);
-  fprintf(f, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"black\"/>\n", L, H - Bm, W - R, H - Bm);
-  fprintf(f, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"black\"/>\n", L, T, L, H - Bm);
-  for (int k = 0; k <= 4; k++) {
-    double v = lo + (hi - lo) * k / 4;
-    fprintf(f, "<text x=\"%g\" y=\"%g\" text-anchor=\"end\">%.2f</text>\n", L - 4, Y(v) + 4, v);
-  }
-  fprintf(f, "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">step (1 .. %lld)</text>\n", (L + W - R) / 2, H - 10,
-          (long long)c->n);
-  fprintf(f, "<text x=\"%g\" y=\"18\">loss%s: train (blue), validation (red)%s", L, arrays ? "" : " (nats/token)",
-          isfinite(unigram) ? ", unigram entropy (grey)" : "");
-  for (int j = 0; j < nmet; j++)
-    fprintf(f, ", %s (%s)", names[j], colour[j % 6]);
-  fprintf(f, "</text>\n");
-  if (isfinite(unigram))
-    fprintf(f, "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"grey\" stroke-dasharray=\"4\"/>\n", L,
-            Y(unigram), W - R, Y(unigram));
-  fprintf(f, "<polyline fill=\"none\" stroke=\"steelblue\" points=\"");
-  for (int64_t i = 0; i < c->n; i++)
-    if (isfinite(c->loss[i]))
-      fprintf(f, "%.1f,%.1f ", X(i), Y(c->loss[i]));
-  fprintf(f, "\"/>\n");
-  for (int64_t i = 0; i < c->nval; i++)
-    fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"crimson\"/>\n", X(c->val_step[i] - 1), Y(c->val[i]));
-  for (int j = 0; j < nmet; j++) {
-    fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" points=\"", colour[j % 6]);
-    for (int64_t i = 0; i < c->n; i++)
-      if (isfinite(c->met[i * nmet + j]))
-        fprintf(f, "%.1f,%.1f ", X(i), Y(c->met[i * nmet + j]));
-    fprintf(f, "\"/>\n");
-    for (int64_t i = 0; i < c->nval; i++)
-      if (isfinite(c->val_met[i * nmet + j]))
-        fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"6\" height=\"6\" fill=\"%s\"/>\n", X(c->val_step[i] - 1) - 3,
-                Y(c->val_met[i * nmet + j]) - 3, colour[j % 6]);
-  }
-  fprintf(f, "</svg>\n");
-#undef X
-#undef Y
-  return fclose(f) == 0 && rename(tmp, path) == 0;
-}
-
-static void push(double **a, int64_t *n, int64_t *cap, double v) {
-  if (*n == *cap) {
-    *cap = *cap ? 2 * *cap : 256;
-    *a = rt_xrealloc(*a, sizeof(double) * (size_t)*cap);
-  }
-  (*a)[(*n)++] = v;
-}
-
-static void eta(double seconds, char *buf, size_t n) {
-  long s = (long)(seconds + 0.5);
-  snprintf(buf, n, "%ld:%02ld", s / 60, s % 60);
-}
-
-// How often a run prints a full step line when --log-every does not say: the largest of 1, 2, 5,
-// 10, 20, 50, ... that is at most steps / 20, so that a run prints 20 to 50 of them.
-int64_t train_log_every(int64_t steps) {
-  static const int64_t nice[] = {1, 2, 5};
-  int64_t every = 1;
-  for (int64_t scale = 1; scale <= steps / 20; scale *= 10)
-    for (int k = 0; k < 3; k++)
-      if (nice[k] * scale <= steps / 20)
-        every = nice[k] * scale;
-  return every;
-}
-
-// On a terminal, the steps between two full lines show as one line rewritten in place ("\r", then
-// the erase-line escape): the step, the loss smoothed over the last steps (an exponential moving
-// average, corrected for its start as Adam's moments are), the rate and MFU of the steps so far, the
-// time left. Anything else printed first clears it.
-typedef struct {
-  bool on;     // stdout is a terminal (and the run is not --quiet)
-  bool shown;  // the line is on the screen, with no newline after it
-  double ema, weight; // the average's sum and the weight it has gathered (1 - 0.9^steps)
-} Progress;
-
-static void progress_clear(Progress *p) {
-  if (p->shown)
-    fputs("\r\033[K", stdout);
-  p->shown = false;
-}
-
-static void progress_show(Progress *p, int64_t step, int64_t last, double tok_s, double mfu, const char *eta_s) {
-  progress_clear(p);
-  printf("step %lld/%lld | loss %.4f (smoothed) | %.0f tok/s | MFU %.2f%% | ETA %s", (long long)step,
-         (long long)last, p->weight > 0 ? p->ema / p->weight : NAN, tok_s, mfu, eta_s);
-  fflush(stdout);
-  p->shown = true;
-}
-
-// The metrics: every scalar output besides the loss (an accuracy, an auxiliary loss), each step's
-// value (the mean over its micro-batches, as the loss) and each validation's (the mean over its
-// batches), logged beside the loss: the step line, log.jsonl ("NAME", "val_NAME") and loss.svg.
-typedef struct {
-  int n;
-  const char **name;
-  int *node;   // in the training graph
-  int *val;    // its index among the validation graph's outputs (val_means' mean[1 + val]), or -1
-  double *now; // this step's values
-  double *sum; // the micro-batches' sums (gradient accumulation)
-} Metrics;
-
-// The output of g named `name`, or -1.
-static int output_named(const Graph *g, const char *name) {
-  for (int i = 0; i < g->noutputs; i++)
-    if (g->nodes[g->outputs[i]]->name && !strcmp(g->nodes[g->outputs[i]]->name, name))
-      return i;
-  return -1;
-}
-
-static Metrics metrics_of(const Graph *g, const Graph *eval) {
-  Metrics m = {0};
-  size_t n = (size_t)g->noutputs + 1;
-  m.name = rt_xrealloc(NULL, n * sizeof *m.name);
-  m.node = rt_xrealloc(NULL, n * sizeof *m.node);
-  m.val = rt_xrealloc(NULL, n * sizeof *m.val);
-  m.now = xcalloc(n, sizeof *m.now, "the run's metrics");
-  m.sum = xcalloc(n, sizeof *m.sum, "the run's metrics");
-  for (int i = 0; i < g->noutputs; i++) {
-    const IrNode *x = g->nodes[g->outputs[i]];
-    if (g->outputs[i] == g->loss || x->shape.rank != 0 || !x->name)
-      continue;
-    m.name[m.n] = x->name;
-    m.node[m.n] = g->outputs[i];
-    m.val[m.n++] = eval ? output_named(eval, x->name) : -1;
-  }
-  return m;
-}
-
-static void metrics_free(Metrics *m) {
-  free(m->name);
-  free(m->node);
-  free(m->val);
-  free(m->now);
-  free(m->sum);
-}
-
-// "SEP NAME VALUE" for each metric (prefix "val " at validation), into buf; "" when there are none.
-static const char *metrics_line(const Metrics *m, const double *v, const char *sep, const char *prefix, char *buf,
-                                size_t n) {
-  size_t k = 0;
-  buf[0] = 0;
-  for (int j = 0; j < m->n && k < n; j++)
-    k += (size_t)snprintf(buf + k, n - k, "%s%s%s %.4f", sep, prefix, m->name[j], v[j]);
-  return buf;
-}
-
-// Gradient accumulation: the first k - 1 micro-batches run on the gradients-only engine, their
-// gradients summed into the step engine's inputs "acc.<param>": engine to engine where the two
-// engines can (Engine.inputs_from; the first micro-batch's gradients copied, the others' added in
-// order), else here, in the same order, and sent with the step's other inputs. Each micro-batch's loss
-// is a mean of its own (over its counted targets, docs/language.md); the step's gradient is the mean of
-// the k micro-batches' (autodiff.c's optimizer step) and the loss it reports the mean of their losses.
-//
-// Precision fp8 over several micro-batches and several ranks. Every rank, and every micro-batch of a
-// step, casts with the step engine's scales, and the step's amaxes are the max over its k
-// micro-batches and over the ranks, checked and rolled into the histories by every rank alike
-// (Engine.set_fp8_amax, set_fp8_lead): the scales and histories one process would have over the
-// global batch (ranks x k micro-batches). The first step calibrates over all of them: every
-// micro-batch runs once beforehand on the micro-batches' engine with every scale 1, to record its
-// amaxes (the data rewound after), and the scales are set from their max over the ranks; then the step
-// runs with them. Up to a power of two: a micro-batch's loss is the mean over its own targets (and a
-// rank's over its own slice), so the gradients flowing back through the backward are k (or ranks x k)
-// times those of one process over the global batch, exactly where each micro-batch counts as many
-// targets (packed batches: B x T each): the amaxes of the backward's scaled tensors (E5M2) are k times
-// theirs and their scales 1/k times, the same fp8 values after scaling; the forward's are the same.
-// Elsewhere (padded batches of unequal counts) that factor is not a power of two, and the two runs
-// scale alike only where it stays inside a scale's margin (FP8_MARGIN).
-typedef struct {
-  int n;
-  bool merge;     // this step's micro-batches ran: their amaxes join the step engine's
-  float *micro;   // the max of this step's micro-batches' amaxes (NaN once one is NaN)
-  float *ones;    // the scales of a calibration pass
-  uint32_t *bits; // the ranks' all-reduce
-  int64_t step;
-} Fp8Amax;
-
-// a raised to b where b is larger, NaN once either is NaN (as the casts record their amaxes).
-static float amax_join(float a, float b) { return a != a || b != b ? NAN : b > a ? b : a; }
-
-// An amax as the bits of a non-negative float, NaN above +inf: the unsigned max over the ranks is the
-// float max, with a NaN on any rank winning (dist_max_u32).
-static uint32_t amax_bits(float a) {
-  uint32_t u;
-  memcpy(&u, &a, sizeof u);
-  return a != a ? UINT32_MAX : u;
-}
-
-static float amax_of_bits(uint32_t u) {
-  float a;
-  memcpy(&a, &u, sizeof a);
-  return u > 0x7f800000u ? NAN : a;
-}
-
-// The amaxes made the max over the ranks (alone: as they are).
-static bool fp8_amax_ranks(Fp8Amax *fa, float *amax, char *err, size_t en) {
-  if (!dist_on())
-    return true;
-  for (int i = 0; i < fa->n; i++)
-    fa->bits[i] = amax_bits(amax[i]);
-  if (!dist_max_u32(fa->bits, fa->n, "the fp8 amaxes' all-reduce", fa->step, err, en))
-    return false;
-  for (int i = 0; i < fa->n; i++)
-    amax[i] = amax_of_bits(fa->bits[i]);
-  return true;
-}
-
-// Engine.set_fp8_amax's: the step engine's amaxes raised to the step's micro-batches', then to the ranks'.
-static bool fp8_amax_step(void *ctx, float *amax, int n, char *err, size_t en) {
-  Fp8Amax *fa = ctx;
-  for (int i = 0; fa->merge && i < n; i++)
-    amax[i] = amax_join(amax[i], fa->micro[i]);
-  return fp8_amax_ranks(fa, amax, err, en);
-}
-
-// A micro-batch's amaxes (its engine's, after its pass) into the step's.
-static void fp8_amax_micro(Fp8Amax *fa, Engine *micro) {
-  const float *a = micro->fp8(micro)->amax;
-  for (int i = 0; i < fa->n; i++)
-    fa->micro[i] = amax_join(fa->micro[i], a[i]);
-}
-
-typedef struct {
-  Engine *micro;
-  Fp8Amax *fp8;       // precision fp8 (else NULL)
-  Metrics *metrics;   // their values summed into metrics->sum
-  int n;              // the parameters that train (a frozen one has no gradient)
-  int *param;         // per one of them: its index in the parameters
-  int *grads;         // its gradient node in the micro-batches' graph
-  const char **names; // "acc.<param>", per one of them
-  float **sum;  // per one of them; the host's sums, allocated when first needed
-  float *tmp;
-} Accum;
-
-static bool host_sums(Accum *ac, char *err, size_t n) {
-  const Graph *mg = ac->micro->g;
-  int64_t most = 1;
-  for (int i = 0; !ac->tmp && i < ac->n; i++) {
-    int64_t numel = shape_numel(mg->nodes[mg->params[ac->param[i]]]->shape);
-    if (!(ac->sum[i] = malloc(sizeof(float) * (size_t)numel)))
-      return rt_fail(err, n, "out of host memory for the gradient sums");
-    most = numel > most ? numel : most;
-  }
-  if (!ac->tmp && !(ac->tmp = malloc(sizeof(float) * (size_t)most)))
-    return rt_fail(err, n, "out of host memory for the gradient sums");
-  return true;
-}
-
-// Precision fp8's first step under gradient accumulation: its k micro-batches (the last one the step
-// engine's) each run once on the micro-batches' engine with every scale 1, their amaxes' max over them
-// and over the ranks sets the step engine's scales, and the data is rewound for the step itself. Where
-// an amax is not finite the scales stay, the step calibrates again by itself and, meeting it again, is
-// skipped and the tensor named.
-static bool fp8_calibrate(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed, int64_t step,
-                          char *err, size_t n) {
-  Fp8Amax *fa = ac->fp8;
-  Fp8State *st = e->fp8(e);
-  LoaderState at = loader_state(train);
-  ac->micro->set_fp8_lead(ac->micro, fa->ones);
-  for (int i = 0; i < fa->n; i++)
-    fa->micro[i] = 0;
-  for (int64_t j = 0; j < k; j++) {
-    Batch batch;
-    if (!loader_next(train, &batch))
-      return rt_fail(err, n, "no batch for micro-batch %lld (the training data failed)", (long long)j + 1);
-    ac->micro->set_seed(ac->micro, step_seed(seed, step * k + j));
-    if (!feed(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
-      return false;
-    fp8_amax_micro(fa, ac->micro);
-  }
-  if (!loader_seek(train, at))
-    return rt_fail(err, n, "the training data cannot be read again after the fp8 calibration");
-  memcpy(st->amax, fa->micro, sizeof(float) * (size_t)fa->n);
-  char why[8];
-  if (!fp8_amax_ranks(fa, st->amax, err, n))
-    return false;
-  fp8_state_update(st, e->g, why, sizeof why);
-  return true;
-}
-
-static bool accumulate_micro(Accum *ac, Engine *e, Loader *train, int64_t k, int64_t BT, uint64_t seed,
-                             int64_t step, double *loss_sum, int64_t *real, char *err, size_t n) {
-  const Graph *mg = ac->micro->g;
-  copy_params(e, ac->micro);
-  if (ac->fp8) {
-    ac->fp8->step = step;
-    if (!e->fp8(e)->recorded && !fp8_calibrate(ac, e, train, k, BT, seed, step, err, n))
-      return false;
-    ac->micro->set_fp8_lead(ac->micro, e->fp8(e)->scale);
-    for (int i = 0; i < ac->fp8->n; i++)
-      ac->fp8->micro[i] = 0;
-    ac->fp8->merge = true;
-  }
-  bool direct = e->inputs_from != NULL;
-  for (int64_t j = 0; j + 1 < k; j++) {
-    Batch batch;
-    if (!loader_next(train, &batch))
-      return rt_fail(err, n, "no batch for micro-batch %lld (the training data failed)", (long long)j + 1);
-    ac->micro->set_seed(ac->micro, step_seed(seed, step * k + j));
-    if (!feed(ac->micro, &batch, BT) || !ac->micro->step(ac->micro, err, n))
-      return false;
-    *loss_sum += engine_scalar(ac->micro, mg->loss);
-    if (ac->fp8)
-      fp8_amax_micro(ac->fp8, ac->micro);
-    for (int m = 0; m < ac->metrics->n; m++) {
-      int out = output_named(mg, ac->metrics->name[m]);
-      ac->metrics->sum[m] += out >= 0 ? engine_scalar(ac->micro, mg->outputs[out]) : NAN;
-    }
-    *real += batch.real_tokens;
-    // Engines that decline the first micro-batch's gradients (all or none) leave the sums to the
-    // host; a failure after that is an error of the device.
-    if (direct && !e->inputs_from(e, ac->n, ac->names, ac->micro, ac->grads, j == 0)) {
-      if (j > 0)
-        return rt_fail(err, n, "gradient accumulation failed adding micro-batch %lld's gradients", (long long)j + 1);
-      direct = false;
-    }
-    if (!direct && !host_sums(ac, err, n))
-      return false;
-    for (int i = 0; !direct && i < ac->n; i++) {
-      int64_t numel = shape_numel(mg->nodes[mg->params[ac->param[i]]]->shape);
-      ac->micro->read(ac->micro, ac->grads[i], ac->tmp);
-      for (int64_t x = 0; x < numel; x++)
-        ac->sum[i][x] = j == 0 ? ac->tmp[x] : ac->sum[i][x] + ac->tmp[x];
-    }
-  }
-  for (int i = 0; !direct && i < ac->n; i++) {
-    const IrNode *p = mg->nodes[mg->params[ac->param[i]]];
-    if (!e->set_input(e, ac->names[i], NULL, ac->sum[i], shape_numel(p->shape))) {
-      snprintf(err, n, "the step graph has no input for gradient accumulation of %s", p->name);
-      return false;
-    }
-  }
-  return true;
-}
-
-// Whether two tokenizers have the same merges.
-static bool same_tokenizer(const Tokenizer *x, const Tokenizer *y) {
-  size_t nx, ny;
-  unsigned char *bx = tok_bytes(x, &nx), *by = tok_bytes(y, &ny);
-  bool same = nx == ny && !memcmp(bx, by, nx);
-  free(bx);
-  free(by);
-  return same;
-}
-
-Tokenizer *train_resume_tokenizer(const char *ckpt, const char *tok_path) {
-  Arena *a = arena_new();
-  StFile f;
-  bool there = access(ckpt, F_OK) == 0, ok = !there || st_read_header(a, ckpt, &f); // (none: the resume says so)
-  const char *b64 = there && ok ? st_meta(&f, "mdl.tokenizer_base64") : NULL;
-  Tokenizer *stored = NULL, *t = NULL;
-  if (b64) {
-    size_t n;
-    unsigned char *bytes = rt_unbase64(b64, &n);
-    if (!bytes)
-      diag_file_error(ckpt, "mdl.tokenizer_base64 is not base64");
-    stored = bytes ? tok_parse(bytes, n, ckpt) : NULL;
-    ok = stored != NULL;
-    free(bytes);
-  }
-  if (ok && stored && access(tok_path, F_OK) != 0) {
-    t = stored;
-    stored = NULL;
-  } else if (ok && (t = tok_load(tok_path)) && stored && !same_tokenizer(t, stored)) {
-    fprintf(stderr, "%s: warning: %s differs from the tokenizer this checkpoint was trained with (stored in it); "
-            "resuming with %s, which made the data's shards\n", ckpt, tok_path, tok_path);
-  }
-  if (stored)
-    tok_free(stored);
-  arena_free(a);
-  return t;
-}
-
-// OUT/lock, held (flock) while a run writes into OUT: a second run into the same folder would
-// interleave its checkpoints and log lines with the first's. The file holds the holder's pid, for
-// the message; the lock itself goes with the process, however it ends.
-int train_claim_out(const char *dir, bool resume, bool *created) {
-  *created = false;
-  if (mkdir(dir, 0777) == 0)
-    *created = true;
-  else if (errno != EEXIST) {
-    diag_file_error(dir, "cannot create the directory: %s", strerror(errno));
-    return -1;
-  }
-  char path[PATH_MAX + 16];
-  snprintf(path, sizeof path, "%s/lock", dir);
-  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-  if (fd < 0) {
-    diag_file_error(path, "cannot open the folder's lock: %s", strerror(errno));
-    return -1;
-  }
-  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    int why = errno;
-    char pid[32] = "";
-    ssize_t got = pread(fd, pid, sizeof pid - 1, 0);
-    pid[got > 0 ? got : 0] = 0;
-    pid[strcspn(pid, "\n")] = 0;
-    if (why == EWOULDBLOCK)
-      diag_file_error(dir, "another run (pid %s) is writing into this folder: wait for it to end, or choose another "
-                      "--out", *pid ? pid : "unknown");
-    else
-      diag_file_error(path, "cannot lock: %s", strerror(why));
-    close(fd);
-    return -1;
-  }
-  char pid[32];
-  int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
-  if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)len, 0) != len) {
-    // (the pid is only for another run's message: a full disk does not stop this one here)
-  }
-  char ckpt[PATH_MAX + 32], log_path[PATH_MAX + 16];
-  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", dir);
-  snprintf(log_path, sizeof log_path, "%s/log.jsonl", dir);
-  struct stat st;
-  const char *refused = NULL;
-  if (!resume && access(ckpt, F_OK) == 0)
-    diag_file_error(refused = ckpt, "a checkpoint is already here: continue it with --resume, or choose another --out");
-  else if (!resume && stat(log_path, &st) == 0 && st.st_size > 0)
-    diag_file_error(refused = log_path, "the log of another run is already here, with no checkpoint to continue: "
-                    "remove it, or choose another --out");
-  if (refused) {
-    train_release_out(fd, dir, *created);
-    return -1;
-  }
-  return fd;
-}
-
-void train_release_out(int fd, const char *dir, bool remove) {
-  if (fd < 0)
-    return;
-  if (remove) { // (a folder this run made and wrote nothing into but its lock)
-    char path[PATH_MAX + 16];
-    snprintf(path, sizeof path, "%s/lock", dir);
-    unlink(path);
-    rmdir(dir);
-  }
-  close(fd);
-}
-
-// On --resume: log.jsonl cut back to the lines of the steps up to the checkpoint's, so that the steps
-// a killed run logged after its last checkpoint are not there twice once they run again. A line cut
-// short (a kill in the middle of its write) goes too.
-static bool truncate_log(const char *path, int64_t step) {
-  char why[256];
-  int64_t size;
-  FILE *f = file_fopen(path, "r+", &size, why, sizeof why);
-  if (!f)
-    return errno == ENOENT || (diag_file_error(path, "%s", why), false);
-  char *line = NULL;
-  size_t cap = 0;
-  ssize_t len;
-  off_t keep = 0;
-  while ((len = getline(&line, &cap, f)) > 0) {
-    long long s = 0;
-    const char *k = strstr(line, "\"step\":");
-    if (line[len - 1] != '\n' || (k && sscanf(k + 7, "%lld", &s) == 1 && s > step))
-      break;
-    keep += len;
-  }
-  free(line);
-  bool ok = ftruncate(fileno(f), keep) == 0;
-  if (!ok)
-    diag_file_error(path, "cannot cut the log back to step %lld: %s", (long long)step, strerror(errno));
-  fclose(f);
-  return ok;
-}
-
-// The name of what made step `step` non-finite: the loss, else the first gradient with a NaN or an
-// infinity (read from the engine: gradients are in memory after the step, for the optimizer).
-static const char *nonfinite_culprit(Engine *e, double loss, char *buf, size_t n) {
-  const Graph *g = e->g;
-  if (!isfinite(loss)) {
-    snprintf(buf, n, "the loss (%s) is %g", g->nodes[g->loss]->name ? g->nodes[g->loss]->name : "loss", loss);
-    return buf;
-  }
-  if (e->fp8 && fp8_state_check(e->fp8(e), g, buf, n)) // (a scaled tensor overflowed: the step was skipped)
-    return buf;
-  snprintf(buf, n, "the gradient norm is not finite");
-  float *x = NULL;
-  for (int i = 0; i < g->nparams; i++) {
-    if (g->grads[i] < 0) // (frozen)
-      continue;
-    int64_t numel = shape_numel(g->nodes[g->params[i]]->shape);
-    float *grown = realloc(x, sizeof(float) * (size_t)(numel ? numel : 1));
-    if (!grown)
-      break;
-    x = grown;
-    e->read(e, g->grads[i], x);
-    int64_t bad = rt_first_nonfinite(x, numel);
-    if (bad >= 0) {
-      snprintf(buf, n, "the gradient of %s is not finite (element %lld is %g)", g->nodes[g->params[i]]->name,
-               (long long)bad, (double)x[bad]);
-      break;
-    }
-  }
-  free(x);
-  return buf;
 }
 
 // The first SIGINT or SIGTERM while training: the loop stops after the step under way, once its
@@ -1084,83 +93,6 @@ static void release_stop(StopSignals *s) {
 static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o, const char *ckpt,
                       const char *log_path, const char *svg);
 
-// Data parallel (dist.c): the step engine's gradients made the mean over the ranks before its
-// optimizer (Engine.set_reduce), and the time that takes. A rank whose micro-batch loss was not
-// finite (poison) sends NaN gradients instead, so that every rank skips the update, as one process
-// skips it.
-typedef struct {
-  Engine *e;
-  int64_t step;
-  bool poison;    // a micro-batch's loss was not finite (the step's own is read in the reduce)
-  double seconds; // waited on the all-reduces, this step (with buckets: only what the backward did not hide)
-  double busy;    // in the all-reduces, this step (with buckets on the engine's thread, beside the backward)
-  double gather;  // in the all-gather of the updated parameters (--zero 1 on the CPU), this step
-} Reduce;
-
-static bool reduce_grads(void *ctx, float *x, int64_t n, char *err, size_t en) {
-  Reduce *r = ctx;
-  double t0 = rt_now();
-  bool poison = r->poison || !isfinite(engine_scalar(r->e, r->e->g->loss));
-  for (int64_t i = 0; poison && i < n; i++)
-    x[i] = NAN;
-  bool ok = dist_mean_f32(x, n, "the gradients' all-reduce", r->step, err, en);
-  r->busy += rt_now() - t0;
-  return ok;
-}
-
-// ZeRO stage 1 (--zero 1): the updated parameters' all-gather after each step (Engine.set_shard), in
-// the step's communication time.
-static bool gather_params(void *ctx, float *x, const int64_t *at, char *err, size_t en) {
-  Reduce *r = ctx;
-  double t0 = rt_now();
-  bool ok = dist_allgather_f32(x, at, "the updated parameters' all-gather", r->step, err, en);
-  r->gather += rt_now() - t0;
-  return ok;
-}
-
-// ZeRO stage 1: every rank's moments gathered into rank 0's engine, for a checkpoint that does not
-// depend on the ranks: by the engine (Engine.gather_moments, the CPU's: into memory the step does not
-// keep), else through host memory, read from each rank and written into rank 0's (a GPU's arena holds
-// every moment anyway; the moments' nodes of a rank's shard are contiguous in node order, as the
-// shard's parameters are in parameter order). Every rank calls it.
-static bool gather_moments(Engine *e, const ZeroShard *z, int64_t step, char *err, size_t n) {
-  if (e->gather_moments)
-    return e->gather_moments(e, step, err, n);
-  const Graph *g = e->g;
-  int64_t *at = calloc((size_t)z->n + 1, sizeof *at), total = 0;
-  if (!at)
-    return rt_fail(err, n, "out of host memory");
-  for (int i = 0; i < g->n; i++) // (at[r]: where rank r's first moment goes)
-    if (g->nodes[i]->op == OP_STATE)
-      at[engine_shard_owner(z, g, i) + 1] += shape_numel(g->nodes[i]->shape);
-  for (int r = 0; r < z->n; r++)
-    at[r + 1] += at[r];
-  total = at[z->n];
-  float *buf = calloc((size_t)(total ? total : 1), sizeof *buf); // (a rank writes only its own share)
-  if (!buf) {
-    free(at);
-    return rt_fail(err, n, "out of host memory gathering the moments (%.0f MB)", 4e-6 * (double)total);
-  }
-  int64_t off = 0;
-  for (int i = 0; i < g->n; i++)
-    if (g->nodes[i]->op == OP_STATE) {
-      if (engine_shard_owner(z, g, i) == z->rank)
-        e->read(e, i, buf + off);
-      off += shape_numel(g->nodes[i]->shape);
-    }
-  bool ok = dist_gather_f32(buf, buf, at, 0, "the moments' gather for the checkpoint", step, err, n);
-  off = 0;
-  for (int i = 0; ok && z->rank == 0 && i < g->n; i++)
-    if (g->nodes[i]->op == OP_STATE) {
-      if (engine_shard_owner(z, g, i) != z->rank)
-        e->write(e, i, buf + off);
-      off += shape_numel(g->nodes[i]->shape);
-    }
-  free(buf);
-  free(at);
-  return ok;
-}
-
 int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
   const Graph *g = e->g;
   if (o->arrays ? ir_dim(g, "B") <= 0 : !shards_fit(g, o->data_dir)) {
@@ -1168,538 +100,286 @@ int train_run(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o) {
       diag_file_error(o->model_path, "training on arrays needs a dim B: the examples a batch");
     return 1;
   }
-  char ckpt[PATH_MAX + 32], log_path[PATH_MAX + 16], svg[PATH_MAX + 16];
-  snprintf(ckpt, sizeof ckpt, "%s/checkpoint.safetensors", o->out_dir);
-  snprintf(log_path, sizeof log_path, "%s/log.jsonl", o->out_dir);
-  snprintf(svg, sizeof svg, "%s/loss.svg", o->out_dir);
+  OutFiles out;
+  out_files(o->out_dir, &out);
   bool created;
   int lock = o->out_claimed ? -1 : train_claim_out(o->out_dir, o->resume, &created);
   if (!o->out_claimed && lock < 0)
     return 1;
-  int rc = train_loop(e, eval, micro, o, ckpt, log_path, svg);
+  int rc = train_loop(e, eval, micro, o, out.ckpt, out.log, out.svg);
   train_release_out(lock, o->out_dir, false);
   return rc;
 }
 
-// A run that stops at `step` before changing any weight (a loss that is not finite, no batch): the
-// weights are those of the step before, whose checkpoint (with the data position of this step's
-// batches: a resumed run redoes this step) is written unless it is the one on disk. What became of
-// them goes into kept.
-static void keep_step_before(CkptWriter *w, const char *ckpt, Engine *e, const TrainOptions *o, int64_t step,
-                             int64_t ckpt_step, LoaderState before, char *kept, size_t n) {
-  if (step - 1 > ckpt_step && step - 1 > 0) {
-    if (ckpt_start(w, ckpt, e, o, step - 1, before) && ckpt_wait(w))
-      snprintf(kept, n, "wrote them to %s", ckpt);
-    else
-      snprintf(kept, n, "their checkpoint could not be written");
-  } else if (ckpt_step >= 0) {
-    snprintf(kept, n, "%s holds them", ckpt);
-  } else {
-    snprintf(kept, n, "no checkpoint was written");
-  }
-}
-
-static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o, const char *ckpt,
-                      const char *log_path, const char *svg) {
-  const Graph *g = e->g;
-  int64_t B = ir_dim(g, "B"), T = o->arrays ? 1 : ir_dim(g, "T"), V = ir_dim(g, "V"); // (arrays: B examples)
-  // A write cut short (kill -9) leaves its temporary file; the checkpoint itself is whole.
-  char pattern[PATH_MAX + 48];
-  snprintf(pattern, sizeof pattern, "%s.tmp.*", ckpt);
-  glob_t gl;
-  if (glob(pattern, 0, NULL, &gl) == 0)
-    for (size_t i = 0; i < gl.gl_pathc; i++)
-      unlink(gl.gl_pathv[i]);
-  globfree(&gl);
-  // With several ranks the loaders give the global batch, N*B rows, and each rank takes its slice (feed).
-  int world = dist_on() ? dist_size() : 1;
-  bool lead = dist_rank() == 0; // writes the log, the checkpoints and the loss curve
-  LoaderOptions lo = {.B = B * world, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle, .seed = o->seed,
-                      .model = o->arrays ? g : NULL, .val_fraction = o->val_fraction},
+// The loaders, the checkpoint of a resumed run, the initial parameters and the log; false after
+// saying why, with nothing left open.
+static bool run_open(Run *r) {
+  const TrainOptions *o = r->o;
+  const Graph *g = r->g;
+  Engine *e = r->e;
+  r->B = ir_dim(g, "B"), r->T = o->arrays ? 1 : ir_dim(g, "T"), r->V = ir_dim(g, "V"); // (arrays: B examples)
+  remove_partial_writes(r->ckpt);
+  // With several ranks the loaders give the global batch, N*B rows, and each rank takes its slice (feed_batch).
+  r->world = dist_on() ? dist_size() : 1;
+  r->lead = dist_rank() == 0; // writes the log, the checkpoints and the loss curve
+  LoaderOptions lo = {.B = r->B * r->world, .T = r->T, .vocab = r->V, .pack = o->pack, .shuffle = o->shuffle,
+                      .seed = o->seed, .model = o->arrays ? g : NULL, .val_fraction = o->val_fraction},
                 lt = lo;
   lt.from_text = o->tokenize_on_the_fly; // (validation batches come from the shards either way)
   lo.shuffle &= !o->arrays;              // (arrays: validation in the split's order, each example once)
-  Loader *train = loader_open(o->data_dir, "train", lt);
-  if (!train)
-    return 1;
-  Loader *val = eval ? loader_open(o->data_dir, "val", lo) : NULL;
-  if (eval && !val) {
-    loader_close(train);
-    return 1;
+  r->train = loader_open(o->data_dir, "train", lt);
+  if (!r->train)
+    return false;
+  r->val = r->eval ? loader_open(o->data_dir, "val", lo) : NULL;
+  if (r->eval && !r->val) {
+    loader_close(r->train);
+    return false;
   }
-  LoaderState val_first = val ? loader_state(val) : (LoaderState){0, 0};
-  int64_t start = 0;
-  uint64_t seed = o->seed;
+  r->val_first = r->val ? loader_state(r->val) : (LoaderState){0, 0};
+  r->start = 0;
+  r->seed = o->seed;
+  bool ok = true;
   if (o->resume) {
     LoaderState ls;
-    if (!read_checkpoint(ckpt, e, o->model_path, o->zero ? world : 1, &start, &ls, &seed) || !loader_seek(train, ls) ||
-        (lead && !truncate_log(log_path, start))) {
-      loader_close(train);
-      if (val)
-        loader_close(val);
-      return 1;
-    }
-    if (!o->quiet)
-      printf("resumed from %s at step %lld\n", ckpt, (long long)start);
+    ok = read_checkpoint(r->ckpt, e, o->model_path, o->zero ? r->world : 1, &r->start, &ls, &r->seed) &&
+         loader_seek(r->train, ls) && (!r->lead || truncate_log(r->log_path, r->start));
+    if (ok && !o->quiet)
+      printf("resumed from %s at step %lld\n", r->ckpt, (long long)r->start);
   }
   // The initial parameters a checkpoint or --weights did not write (all of them, or none), drawn
   // before the first step so that its time leaves the draw out.
   char draw_err[256];
-  if (e->draw_params && !e->draw_params(e, draw_err, sizeof draw_err)) {
+  if (ok && e->draw_params && !e->draw_params(e, draw_err, sizeof draw_err)) {
     diag_file_error(o->model_path, "the initial parameters: %s", draw_err);
-    loader_close(train);
-    if (val)
-      loader_close(val);
-    return 1;
+    ok = false;
   }
-  FILE *log = lead ? fopen(log_path, o->resume ? "a" : "w") : fopen("/dev/null", "w");
-  if (!log) {
-    diag_file_error(log_path, "cannot write: %s", strerror(errno));
-    loader_close(train);
-    if (val)
-      loader_close(val);
-    return 1;
+  if (ok) {
+    r->log = r->lead ? fopen(r->log_path, o->resume ? "a" : "w") : fopen("/dev/null", "w");
+    if (!r->log)
+      diag_file_error(r->log_path, "cannot write: %s", strerror(errno));
+    ok = r->log != NULL;
   }
-  // The run stops after step `last`; the schedule spans the train section's steps (so a run stopped
-  // early and resumed follows the same learning rates), or this run when the section sets none.
-  TrainConfig tc = g->train;
-  int64_t last = o->steps > 0 ? o->steps : tc.steps > 0 ? tc.steps : 100;
-  if (tc.steps <= 0)
-    tc.steps = last;
-  int gnorm = -1;
-  for (int i = 0; i < g->n; i++)
-    if (g->nodes[i]->op == OP_GRAD_NORM)
-      gnorm = i;
-  const char *peak_how = e->peak_how;
-  double peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(false, &peak_how), flops = rt_step_flops(g);
-  double unigram = o->arrays ? NAN : unigram_entropy(o->data_dir, V);
-  int64_t val_batches = o->arrays && val ? array_val_batches(val, B * world, o->val_batches) : o->val_batches;
-  const char *unit = o->arrays ? "ex/s" : "tok/s";
-  if (!o->quiet)
-    printf("MFU = model flops (3x forward GEMM + attention flops counted in the graph: %.3g per step) / %s\n", flops,
-           peak_how);
-  if (!o->quiet && o->arrays)
-    printf("data %s: %lld train examples, %lld held out for validation (%lld batches); %s batches of %lld "
-           "examples\n", o->data_dir, (long long)loader_rows(train), val ? (long long)loader_rows(val) : 0LL,
-           (long long)val_batches, o->shuffle ? "shuffled" : "ordered", (long long)B);
-  else if (!o->quiet) {
-    printf("data %s: %lld train tokens, unigram entropy %.3f nats/token; %s batches of %lldx%lld%s\n", o->data_dir,
-           (long long)loader_tokens(train), unigram, o->pack ? "packed" : "padded", (long long)B, (long long)T,
-           o->tokenize_on_the_fly ? ", tokenised from the text as each is drawn, in the step's time (validation "
-                                    "batches from the shards)" : "");
+  if (!ok) {
+    loader_close(r->train);
+    if (r->val)
+      loader_close(r->val);
   }
-  int64_t k = g->train.accumulate > 1 ? g->train.accumulate : 1;
-  Metrics met = metrics_of(g, eval ? eval->g : NULL);
-  double *val_mean = rt_xrealloc(NULL, sizeof(double) * (size_t)((eval ? eval->g->noutputs : 0) + 1));
-  Accum ac = {.micro = micro, .metrics = &met};
-  if (k > 1) {
-    ac.sum = rt_xrealloc(NULL, (size_t)g->nparams * sizeof *ac.sum);
-    memset(ac.sum, 0, (size_t)g->nparams * sizeof *ac.sum);
-    ac.names = arena_alloc(g->arena, sizeof *ac.names * (size_t)g->nparams);
-    ac.param = arena_alloc(g->arena, sizeof *ac.param * (size_t)g->nparams);
-    ac.grads = arena_alloc(g->arena, sizeof *ac.grads * (size_t)g->nparams);
-    for (int i = 0; i < g->nparams; i++)
-      if (micro->g->grads[i] >= 0) {
-        ac.param[ac.n] = i;
-        ac.grads[ac.n] = micro->g->grads[i];
-        ac.names[ac.n++] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
-      }
-    if (!o->quiet && o->arrays)
-      printf("gradient accumulation: %lld micro-batches of %lld examples per step\n", (long long)k, (long long)B);
-    else if (!o->quiet)
-      printf("gradient accumulation: %lld micro-batches of %lldx%lld per step\n", (long long)k, (long long)B,
-             (long long)T);
-  }
-  Curve c = {0};
-  char err[512] = "";
-  int rc = 0, stopped = 0; // stopped: the signal that stopped the run
-  StopSignals stops;
-  catch_stop(&stops);
-  CkptWriter writer = {.ok = true};
-  double t_start = rt_now(), last_val = NAN, step_secs = 0;
-  int64_t real_total = 0, skipped = 0, ckpt_step = o->resume ? start : -1; // the last checkpoint's step
-  bool log_failed = false;
-  // A full line for the first step, the last, every log_every-th and each validation; on a terminal,
-  // the progress line between them; with --quiet, neither.
-  int64_t log_every = o->log_every > 0 ? o->log_every : train_log_every(last);
-  Progress pg = {.on = !o->quiet && isatty(STDOUT_FILENO) && world == 1}; // (mpirun's ranks write to a pty)
-  Reduce red = {.e = e};
-  double comm_total = 0, busy_total = 0, *shared = rt_xrealloc(NULL, sizeof(double) * (size_t)(met.n + 2));
-  // Several ranks: the gradients are reduced in host memory by MPI (the CPU back end), or on the GPUs
-  // by NCCL (the CUDA back end).
-  bool nccl = false, overlapped = world > 1 && dist_bucket() > 0 && dist_overlap() && e->set_reduce;
-  // Precision fp8 over several ranks or micro-batches: the step's amaxes are theirs (Fp8Amax).
-  Fp8Amax fa = {0};
-  bool fp8_shared = e->fp8 && (world > 1 || k > 1);
-  if (fp8_shared) {
-    fa.n = e->fp8(e)->n;
-    fa.micro = rt_xrealloc(NULL, sizeof(float) * (size_t)fa.n);
-    fa.ones = rt_xrealloc(NULL, sizeof(float) * (size_t)fa.n);
-    fa.bits = rt_xrealloc(NULL, sizeof(uint32_t) * (size_t)fa.n);
-    for (int i = 0; i < fa.n; i++)
-      fa.ones[i] = 1;
-    ac.fp8 = k > 1 ? &fa : NULL;
-  }
-  bool led = k <= 1 || (micro->fp8 && micro->set_fp8_lead && micro->fp8(micro)->n == fa.n);
-  if (fp8_shared && (!e->set_fp8_amax || !led)) {
-    diag_file_error(o->model_path, "precision fp8 %s on the %s back end: its engines do not share the fp8 scales "
-                    "and amaxes%s; use bf16 there, or --backend cpu", world > 1 ? "over several ranks" :
-                    "with gradient accumulation (accumulate > 1)", e->name,
-                    world > 1 ? " over the ranks" : " over the micro-batches");
-    rc = 1;
-    last = start;
-    overlapped = false;
-  } else if (world > 1 && !(e->set_reduce && e->set_reduce(e, reduce_grads, &red, dist_bucket(), dist_overlap()))) {
-    overlapped = false;
-    void *comm = e->set_nccl ? dist_nccl_comm(err, sizeof err) : NULL;
-    if (comm && e->set_nccl(e, comm, &red.poison)) {
-      nccl = true;
-    } else {
-      diag_file_error(o->model_path, "the %s back end cannot reduce gradients over ranks%s%s", e->name,
-                      err[0] ? ": " : " (data-parallel training runs on the interpreter and the compiled CPU and "
-                                      "CUDA back ends)", err);
-      rc = 1;
-      last = start;
-    }
-  }
-  if (fp8_shared && rc == 0)
-    e->set_fp8_amax(e, fp8_amax_step, &fa);
-  ZeroShard *zero = o->zero && world > 1 ? engine_shard(g, dist_rank(), world) : NULL; // (one process: no shards)
-  if (zero && rc == 0 && !(e->set_shard && e->set_shard(e, zero, gather_params, &red))) {
-    diag_file_error(o->model_path, "the %s back end cannot shard the optimizer's state (--zero 1)", e->name);
-    rc = 1;
-    last = start;
-  }
-  if (zero && e->idle) // (a resumed run read every moment; a rank keeps its shard's)
-    e->idle(e, false);
-  if (zero && rc == 0 && !o->quiet) {
-    int64_t own = 0, all = 0;
-    for (int i = 0; i < g->n; i++)
-      if (g->nodes[i]->op == OP_STATE) {
-        all += 4 * shape_numel(g->nodes[i]->shape);
-        own += engine_shard_owner(zero, g, i) == zero->rank ? 4 * shape_numel(g->nodes[i]->shape) : 0;
-      }
-    printf("ZeRO stage 1: rank %d updates parameters %d to %d of %d and keeps their moments, %.2f MB of %.2f MB\n",
-           zero->rank, zero->first[zero->rank], zero->first[zero->rank + 1] - 1, g->nparams, (double)own / 1e6,
-           (double)all / 1e6);
-  }
-  for (int64_t step = start + 1; step <= last; step++) {
-    double t0 = rt_now(), loss_sum = 0;
-    int64_t real = 0;
-    LoaderState before = loader_state(train); // (a checkpoint of the step before this one resumes from it)
-    if (k > 1 && !accumulate_micro(&ac, e, train, k, B * T, seed, step, &loss_sum, &real, err, sizeof err)) {
-      progress_clear(&pg);
-      diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
-      rc = 1;
-      break;
-    }
-    Batch batch;
-    if (!loader_next(train, &batch)) { // (the text it reads changed: the loader said how)
-      char kept[PATH_MAX + 96];
-      rc = 1;
-      progress_clear(&pg);
-      snprintf(kept, sizeof kept, "rank 0 keeps them");
-      if (lead)
-        keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
-      diag_file_error(o->model_path, "step %lld: no batch; stopping with the weights of step %lld: %s", (long long)step,
-                      (long long)step - 1, kept);
-      break;
-    }
-    double lr = rt_lr_at(&tc, step);
-    e->set_scalar(e, "lr", lr);
-    e->set_scalar(e, "step", (double)step);
-    e->set_seed(e, step_seed(seed, k > 1 ? step * k + k - 1 : step));
-    // A micro-batch whose loss is not finite: the step is not run (its optimizer would apply the
-    // others' gradients regardless). With several ranks every rank runs it, that one sending NaN
-    // gradients (reduce_grads), so that no rank's optimizer updates.
-    bool micro_finite = isfinite(loss_sum), run = micro_finite || world > 1;
-    red.step = step, red.poison = !micro_finite, red.seconds = red.busy = red.gather = 0;
-    fa.step = step;
-    if (!feed(e, &batch, B * T) || (run && !e->step(e, err, sizeof err))) {
-      progress_clear(&pg);
-      diag_file_error(o->model_path, "step %lld: %s", (long long)step, err[0] ? err : "bad batch");
-      rc = 1;
-      break;
-    }
-    real += batch.real_tokens; // (with several ranks: the global batch's)
-    // (NCCL: the device time of its all-reduce, and with --zero 1 its all-gather; buckets beside the
-    // backward: the time the step waited for them; else the all-reduces' own, on the main thread
-    // between the backward and the optimizer; and --zero 1's all-gather on the CPU after it)
-    red.seconds = (nccl || overlapped ? e->reduce_seconds : red.busy) + red.gather;
-    if (nccl)
-      red.busy = e->reduce_seconds;
-    double loss = (loss_sum + (micro_finite ? engine_scalar(e, g->loss) : NAN)) / (double)k;
-    double norm = gnorm >= 0 && run ? engine_scalar(e, gnorm) : NAN;
-    for (int j = 0; j < met.n; j++) {
-      met.now[j] = (met.sum[j] + (micro_finite ? engine_scalar(e, met.node[j]) : NAN)) / (double)k;
-      met.sum[j] = 0;
-    }
-    // Several ranks: the step's loss and metrics are their means over the ranks, and a SIGINT or
-    // SIGTERM on any rank stops every rank at this step.
-    int stop = stop_signal;
-    if (world > 1) {
-      shared[0] = loss, shared[met.n + 1] = stop ? 1 : 0;
-      for (int j = 0; j < met.n; j++)
-        shared[1 + j] = met.now[j];
-      double t1 = rt_now();
-      if (!dist_sum_f64(shared, met.n + 2, "the step's loss", step, err, sizeof err)) {
-        diag_file_error(o->model_path, "step %lld: %s", (long long)step, err);
-        rc = 1;
-        break;
-      }
-      red.seconds += rt_now() - t1;
-      red.busy += rt_now() - t1;
-      loss = shared[0] / world;
-      for (int j = 0; j < met.n; j++)
-        met.now[j] = shared[1 + j] / world;
-      stop = shared[met.n + 1] > 0 ? (stop ? stop : SIGTERM) : 0;
-    }
-    double dt = rt_now() - t0;
-    step_secs += dt;
-    comm_total += red.seconds;
-    busy_total += red.busy;
-    real_total += real;
-    push(&c.loss, &c.n, &c.cap, loss);
-    for (int j = 0; j < met.n; j++)
-      push(&c.met, &c.nmet, &c.capmet, met.now[j]);
-    // A loss or gradient norm that is not finite: the optimizer left the weights and moments as they
-    // were (emit_c.c, emit_cuda.c, engine.c's interpreter test the same two values), so they are the
-    // last finite ones.
-    bool nonfinite = !isfinite(loss) || (gnorm >= 0 && !isfinite(norm));
-    bool do_val = eval && !nonfinite && ((o->val_every > 0 && step % o->val_every == 0) || step == last);
-    if (do_val) {
-      last_val = validate(e, eval, val, val_first, val_batches, B * T, val_mean, err, sizeof err);
-      if (isnan(last_val)) {
-        progress_clear(&pg);
-        diag_file_error(o->model_path, "validation at step %lld: %s", (long long)step, err);
-        rc = 1;
-        break;
-      }
-      if (c.nval == c.capval) {
-        c.capval = c.capval ? 2 * c.capval : 64;
-        c.val = rt_xrealloc(c.val, sizeof(double) * (size_t)c.capval);
-        c.val_step = rt_xrealloc(c.val_step, sizeof(int64_t) * (size_t)c.capval);
-      }
-      c.val[c.nval] = last_val;
-      c.val_step[c.nval++] = step - start;
-      for (int j = 0; j < met.n; j++)
-        push(&c.val_met, &c.nvalmet, &c.capvalmet, met.val[j] >= 0 ? val_mean[1 + met.val[j]] : NAN);
-    }
-    // Peak memory: the process's on the host, and what the engines hold on a device (allocated when
-    // each is built, and a checkpoint's snapshot at the first checkpoint: never freed before the end,
-    // so also their peak there).
-    struct rusage ru;
-    getrusage(RUSAGE_SELF, &ru);
-    int64_t device =
-        e->device_bytes + (eval ? eval->device_bytes : 0) + (micro && micro != e ? micro->device_bytes : 0);
-    char device_s[48] = "";
-    if (device > 0)
-      snprintf(device_s, sizeof device_s, ", device %.0f MB", (double)device / 1e6);
-    double elapsed = rt_now() - t_start, left = elapsed / (double)(step - start) * (double)(last - step);
-    char eta_s[32];
-    eta(left, eta_s, sizeof eta_s);
-    double tok_s = (double)real / dt, mfu = 100.0 * (double)k * flops / dt / peak;
-    if (isfinite(loss)) {
-      pg.ema = 0.9 * pg.ema + 0.1 * loss;
-      pg.weight = 0.9 * pg.weight + 0.1;
-    }
-    char met_s[512], comm_s[48] = "";
-    if (world > 1)
-      snprintf(comm_s, sizeof comm_s, " | comm %.1f ms", 1e3 * red.seconds);
-    if (!o->quiet && (step == start + 1 || step == last || step % log_every == 0 || do_val)) {
-      progress_clear(&pg);
-      printf("step %5lld/%lld | loss %.4f%s | lr %.2e | norm %6.3f | %7.1f ms%s | %8.0f %s | MFU %5.2f%% | "
-             "peak %.0f MB%s | ETA %s\n",
-             (long long)step, (long long)last, loss, metrics_line(&met, met.now, " | ", "", met_s, sizeof met_s), lr,
-             norm, 1e3 * dt, comm_s, tok_s, unit, mfu, (double)ru.ru_maxrss * 1024.0 / 1e6, device_s,
-             eta_s); // (ru_maxrss: KiB; MB as the arena's)
-      if (do_val && o->arrays)
-        printf("step %5lld/%lld | val loss %.4f%s\n", (long long)step, (long long)last, last_val,
-               metrics_line(&met, c.val_met + c.nvalmet - met.n, " | ", "val ", met_s, sizeof met_s));
-      else if (do_val)
-        printf("step %5lld/%lld | val loss %.4f (unigram entropy %.4f)%s\n", (long long)step, (long long)last,
-               last_val, unigram,
-               metrics_line(&met, c.val_met + c.nvalmet - met.n, " | ", "val ", met_s, sizeof met_s));
-    } else if (pg.on) {
-      progress_show(&pg, step, last, (double)real_total / step_secs,
-                    100.0 * (double)k * flops * (double)(step - start) / step_secs / peak, eta_s);
-    }
-    fflush(stdout);
-    // (a full disk: the log's write fails as the checkpoint's will; each is reported, once)
-    bool logged = fprintf(log, "{\"step\":%lld,\"loss\":%.6f,\"lr\":%.6g,\"grad_norm\":%.6g,\"ms\":%.3f,\"%s\":%.1f,"
-                          "\"mfu\":%.4f", (long long)step, loss, lr, norm, 1e3 * dt, o->arrays ? "ex_s" : "tok_s",
-                          tok_s, mfu) > 0;
-    if (world > 1)
-      logged &= fprintf(log, ",\"comm_ms\":%.3f,\"allreduce_ms\":%.3f", 1e3 * red.seconds, 1e3 * red.busy) > 0;
-    for (int j = 0; j < met.n; j++)
-      logged &= fprintf(log, ",\"%s\":%.6g", met.name[j], met.now[j]) > 0;
-    if (do_val)
-      logged &= fprintf(log, ",\"val_loss\":%.6f", last_val) > 0;
-    for (int j = 0; do_val && j < met.n; j++)
-      logged &= fprintf(log, ",\"val_%s\":%.6g", met.name[j], c.val_met[c.nvalmet - met.n + j]) > 0;
-    logged &= fprintf(log, "}\n") > 0;
-    logged &= fflush(log) == 0;
-    if (!logged && !log_failed) {
-      progress_clear(&pg);
-      diag_file_error(log_path, "cannot write the log at step %lld: %s; stopping", (long long)step, strerror(errno));
-      log_failed = true;
-      rc = 1;
-    }
-    if (nonfinite) {
-      char why[400];
-      progress_clear(&pg);
-      nonfinite_culprit(e, loss, why, sizeof why);
-      if (skipped < o->skip_nonfinite) {
-        skipped++;
-        fprintf(stderr, "mdlc: warning: step %lld: %s: the step is skipped, the weights are not updated (%lld of "
-                "--skip-nonfinite %lld)\n", (long long)step, why, (long long)skipped, (long long)o->skip_nonfinite);
-      } else {
-        char kept[PATH_MAX + 96] = "rank 0 keeps them";
-        rc = 1;
-        if (zero && !gather_moments(e, zero, step, err, sizeof err)) // (every rank is here: the loss is shared)
-          snprintf(kept, sizeof kept, "%s", err);
-        else if (lead)
-          keep_step_before(&writer, ckpt, e, o, step, ckpt_step, before, kept, sizeof kept);
-        diag_file_error(o->model_path, "step %lld: %s; stopping with the weights of step %lld, which it did not "
-                        "change: %s (--skip-nonfinite N skips up to N such steps)", (long long)step, why,
-                        (long long)step - 1, kept);
-        break;
-      }
-    }
-    if (!ckpt_poll(&writer)) {
-      progress_clear(&pg);
-      rc = 1;
-      break;
-    }
-    // (--zero 1: every rank sends rank 0 its moments first, at the steps every rank checkpoints; a
-    // log that rank 0 alone failed to write stops it without a checkpoint, the last one standing)
-    bool every = (o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == last || stop;
-    if (every || (log_failed && !zero)) {
-      if (zero && !gather_moments(e, zero, step, err, sizeof err)) {
-        diag_file_error(o->model_path, "step %lld: %s", (long long)step, err);
-        rc = 1;
-        break;
-      }
-      if (lead && !ckpt_start(&writer, ckpt, e, o, step, loader_state(train))) {
-        progress_clear(&pg);
-        rc = 1;
-        break;
-      }
-      ckpt_step = step;
-    }
-    if (log_failed) {
-      progress_clear(&pg);
-      if (ckpt_wait(&writer) && ckpt_step == step)
-        fprintf(stderr, "mdlc: wrote the checkpoint of step %lld to %s; continue with --resume\n", (long long)step,
-                ckpt);
-      break;
-    }
-    if (stop) {
-      progress_clear(&pg);
-      if (!ckpt_wait(&writer)) {
-        rc = 1;
-        break;
-      }
-      if (lead)
-        printf("%s at step %lld: wrote %s; continue with --resume\n",
-               stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", (long long)step, ckpt);
-      stopped = stop;
-      break;
-    }
-  }
-  progress_clear(&pg);
-  if (!ckpt_free(&writer))
-    rc = 1;
-  release_stop(&stops);
-  if (fclose(log) != 0 && !log_failed) {
-    diag_file_error(log_path, "cannot write the log: %s", strerror(errno));
-    rc = 1;
-  }
-  if (rc == 0 && c.n > 0 && lead) {
-    // The whole run's rate, and the steps' alone: on a GPU a 30-step run spends most of its time
-    // validating and writing checkpoints (GPT-2 124M on an H200: 0.9 s of steps in 4.2 s).
-    double secs = rt_now() - t_start;
-    char val_s[48] = "no validation", met_s[512], val_met_s[512] = "", unigram_s[48] = "";
-    if (!isnan(last_val)) // (a run stopped before its last step, with --val-every 0, has none)
-      snprintf(val_s, sizeof val_s, "val loss %.4f", last_val);
-    if (!isnan(last_val) && met.n)
-      metrics_line(&met, c.val_met + c.nvalmet - met.n, ", ", "val ", val_met_s, sizeof val_met_s);
-    if (!o->arrays)
-      snprintf(unigram_s, sizeof unigram_s, ", unigram entropy %.4f", unigram);
-    printf("trained %lld steps in %.1f s (%.0f %s; in the steps alone %.1f s, %.0f %s, the rest validation "
-           "and checkpoints); final loss %.4f%s, %s%s%s\n",
-           (long long)c.n, secs, (double)real_total / secs, unit, step_secs, (double)real_total / step_secs, unit,
-           c.loss[c.n - 1], metrics_line(&met, c.met + c.nmet - met.n, ", ", "", met_s, sizeof met_s), val_s,
-           val_met_s, unigram_s);
-    if (world > 1)
-      printf("data parallel over %d ranks: %.0f %s a rank; waiting on the all-reduces %.1f s, %.1f%% of the steps' "
-             "time (in them %.1f s%s)\n", world, (double)real_total / step_secs / world, unit, comm_total,
-             100.0 * comm_total / step_secs, busy_total,
-             overlapped ? ", the rest beside the backward" : "");
-    if (!write_svg(svg, &c, met.name, met.n, unigram, o->arrays))
-      diag_file_error(svg, "cannot write the loss curve: %s", strerror(errno));
-    printf("wrote %s, %s and %s\n", ckpt, log_path, svg);
-  }
-  for (int i = 0; k > 1 && i < ac.n; i++)
-    free(ac.sum[i]);
-  free(ac.sum);
-  free(ac.tmp);
-  free(c.loss);
-  free(c.val);
-  free(c.val_step);
-  free(c.met);
-  free(c.val_met);
-  free(val_mean);
-  free(shared);
-  if (world > 1 && e->set_reduce)
-    e->set_reduce(e, NULL, NULL, 0, false);
-  if (fp8_shared && e->set_fp8_amax)
-    e->set_fp8_amax(e, NULL, NULL);
-  if (fp8_shared && k > 1 && micro->set_fp8_lead)
-    micro->set_fp8_lead(micro, NULL);
-  free(fa.micro);
-  free(fa.ones);
-  free(fa.bits);
-  if (nccl)
-    e->set_nccl(e, NULL, NULL);
-  if (zero && e->set_shard)
-    e->set_shard(e, NULL, NULL, NULL);
-  engine_shard_free(zero);
-  metrics_free(&met);
-  loader_close(train);
-  if (val)
-    loader_close(val);
-  return rc ? rc : stopped ? 128 + stopped : 0;
+  return ok;
 }
 
-int train_eval(Engine *eval, const TrainOptions *o) {
-  const Graph *g = eval->g;
-  int64_t B = ir_dim(g, "B"), T = o->arrays ? 1 : ir_dim(g, "T"), V = ir_dim(g, "V");
-  if (g->loss < 0 || (o->arrays ? B <= 0 : !shards_fit(g, o->data_dir))) {
-    if (g->loss < 0 || o->arrays)
-      diag_file_error(o->model_path, "evaluation needs a loss%s", o->arrays ? " and a dim B" : "");
-    return 1;
+// What the run will do (the steps, the schedule's span, the figures it reports against) and its
+// metrics and gradient accumulation, saying so unless --quiet.
+static void run_plan(Run *r) {
+  const TrainOptions *o = r->o;
+  const Graph *g = r->g;
+  Engine *e = r->e;
+  // The run stops after step `last`; the schedule spans the train section's steps (so a run stopped
+  // early and resumed follows the same learning rates), or this run when the section sets none.
+  r->tc = g->train;
+  r->last = o->steps > 0 ? o->steps : r->tc.steps > 0 ? r->tc.steps : 100;
+  if (r->tc.steps <= 0)
+    r->tc.steps = r->last;
+  r->gnorm = -1;
+  for (int i = 0; i < g->n; i++)
+    if (g->nodes[i]->op == OP_GRAD_NORM)
+      r->gnorm = i;
+  const char *peak_how = e->peak_how;
+  r->peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(false, &peak_how), r->flops = rt_step_flops(g);
+  r->unigram = o->arrays ? NAN : unigram_entropy(o->data_dir, r->V);
+  r->val_batches = o->arrays && r->val ? array_val_batches(r->val, r->B * r->world, o->val_batches) : o->val_batches;
+  r->unit = o->arrays ? "ex/s" : "tok/s";
+  if (!o->quiet)
+    printf("MFU = model flops (3x forward GEMM + attention flops counted in the graph: %.3g per step) / %s\n",
+           r->flops, peak_how);
+  if (!o->quiet && o->arrays)
+    printf("data %s: %lld train examples, %lld held out for validation (%lld batches); %s batches of %lld "
+           "examples\n", o->data_dir, (long long)loader_rows(r->train), r->val ? (long long)loader_rows(r->val) : 0LL,
+           (long long)r->val_batches, o->shuffle ? "shuffled" : "ordered", (long long)r->B);
+  else if (!o->quiet) {
+    printf("data %s: %lld train tokens, unigram entropy %.3f nats/token; %s batches of %lldx%lld%s\n", o->data_dir,
+           (long long)loader_tokens(r->train), r->unigram, o->pack ? "packed" : "padded", (long long)r->B,
+           (long long)r->T, o->tokenize_on_the_fly ? ", tokenised from the text as each is drawn, in the step's time "
+                                                    "(validation batches from the shards)" : "");
   }
-  LoaderOptions lo = {.B = B, .T = T, .vocab = V, .pack = o->pack, .shuffle = o->shuffle && !o->arrays,
-                      .seed = o->seed, .model = o->arrays ? g : NULL, .val_fraction = o->val_fraction};
-  Loader *val = loader_open(o->data_dir, "val", lo);
-  if (!val)
+  r->k = g->train.accumulate > 1 ? g->train.accumulate : 1;
+  r->met = metrics_of(g, r->eval ? r->eval->g : NULL);
+  r->val_mean = rt_xrealloc(NULL, sizeof(double) * (size_t)((r->eval ? r->eval->g->noutputs : 0) + 1));
+  r->ac = (Accum){.micro = r->micro, .metrics = &r->met};
+  if (r->k > 1) {
+    Accum *ac = &r->ac;
+    ac->sum = rt_xrealloc(NULL, (size_t)g->nparams * sizeof *ac->sum);
+    memset(ac->sum, 0, (size_t)g->nparams * sizeof *ac->sum);
+    ac->names = arena_alloc(g->arena, sizeof *ac->names * (size_t)g->nparams);
+    ac->param = arena_alloc(g->arena, sizeof *ac->param * (size_t)g->nparams);
+    ac->grads = arena_alloc(g->arena, sizeof *ac->grads * (size_t)g->nparams);
+    for (int i = 0; i < g->nparams; i++)
+      if (r->micro->g->grads[i] >= 0) {
+        ac->param[ac->n] = i;
+        ac->grads[ac->n] = r->micro->g->grads[i];
+        ac->names[ac->n++] = arena_printf(g->arena, "acc.%s", g->nodes[g->params[i]]->name);
+      }
+    if (!o->quiet && o->arrays)
+      printf("gradient accumulation: %lld micro-batches of %lld examples per step\n", (long long)r->k,
+             (long long)r->B);
+    else if (!o->quiet)
+      printf("gradient accumulation: %lld micro-batches of %lldx%lld per step\n", (long long)r->k, (long long)r->B,
+             (long long)r->T);
+  }
+}
+
+// A step with no batch (the text it reads changed: the loader said how): the run stops with the
+// weights of the step before.
+static void stop_without_batch(Run *r, const RunStep *s) {
+  char kept[PATH_MAX + 96];
+  r->rc = 1;
+  progress_clear(&r->pg);
+  snprintf(kept, sizeof kept, "rank 0 keeps them");
+  if (r->lead)
+    keep_step_before(&r->writer, r->ckpt, r->e, r->o, s->step, r->ckpt_step, s->before, kept, sizeof kept);
+  diag_file_error(r->o->model_path, "step %lld: no batch; stopping with the weights of step %lld: %s",
+                  (long long)s->step, (long long)s->step - 1, kept);
+}
+
+// A step that is not finite: skipped, with a warning, while --skip-nonfinite allows; else the run
+// stops with the weights of the step before (false).
+static bool skip_nonfinite(Run *r, const RunStep *s) {
+  const TrainOptions *o = r->o;
+  int64_t step = s->step;
+  char why[400];
+  progress_clear(&r->pg);
+  nonfinite_culprit(r->e, s->loss, why, sizeof why);
+  if (r->skipped < o->skip_nonfinite) {
+    r->skipped++;
+    fprintf(stderr, "mdlc: warning: step %lld: %s: the step is skipped, the weights are not updated (%lld of "
+            "--skip-nonfinite %lld)\n", (long long)step, why, (long long)r->skipped, (long long)o->skip_nonfinite);
+    return true;
+  }
+  char kept[PATH_MAX + 96] = "rank 0 keeps them";
+  r->rc = 1;
+  // (every rank is here: the loss is shared)
+  if (r->zero && !gather_moments(r->e, r->zero, step, r->err, sizeof r->err))
+    snprintf(kept, sizeof kept, "%s", r->err);
+  else if (r->lead)
+    keep_step_before(&r->writer, r->ckpt, r->e, o, step, r->ckpt_step, s->before, kept, sizeof kept);
+  diag_file_error(o->model_path, "step %lld: %s; stopping with the weights of step %lld, which it did not "
+                  "change: %s (--skip-nonfinite N skips up to N such steps)", (long long)step, why,
+                  (long long)step - 1, kept);
+  return false;
+}
+
+// The step's checkpoint where one is due (every ckpt_every, the last, a stop, or a log that failed),
+// and the end of the run after a log that failed or a stop; false when the run ends here.
+static bool checkpoint_step(Run *r, const RunStep *s) {
+  const TrainOptions *o = r->o;
+  int64_t step = s->step;
+  if (!ckpt_poll(&r->writer)) {
+    progress_clear(&r->pg);
+    r->rc = 1;
+    return false;
+  }
+  // (--zero 1: every rank sends rank 0 its moments first, at the steps every rank checkpoints; a
+  // log that rank 0 alone failed to write stops it without a checkpoint, the last one standing)
+  bool every = (o->ckpt_every > 0 && step % o->ckpt_every == 0) || step == r->last || s->stop;
+  if (every || (r->log_failed && !r->zero)) {
+    if (r->zero && !gather_moments(r->e, r->zero, step, r->err, sizeof r->err)) {
+      diag_file_error(o->model_path, "step %lld: %s", (long long)step, r->err);
+      r->rc = 1;
+      return false;
+    }
+    if (r->lead && !ckpt_start(&r->writer, r->ckpt, r->e, o, step, loader_state(r->train))) {
+      progress_clear(&r->pg);
+      r->rc = 1;
+      return false;
+    }
+    r->ckpt_step = step;
+  }
+  if (r->log_failed) {
+    progress_clear(&r->pg);
+    if (ckpt_wait(&r->writer) && r->ckpt_step == step)
+      fprintf(stderr, "mdlc: wrote the checkpoint of step %lld to %s; continue with --resume\n", (long long)step,
+              r->ckpt);
+    return false;
+  }
+  if (s->stop) {
+    progress_clear(&r->pg);
+    if (!ckpt_wait(&r->writer)) {
+      r->rc = 1;
+      return false;
+    }
+    if (r->lead)
+      printf("%s at step %lld: wrote %s; continue with --resume\n",
+             s->stop == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", (long long)step, r->ckpt);
+    r->stopped = s->stop;
+    return false;
+  }
+  return true;
+}
+
+// The run's end, after its last checkpoint: the log closed, the summary, and everything it held let
+// go. The exit status.
+static int run_close(Run *r) {
+  if (fclose(r->log) != 0 && !r->log_failed) {
+    diag_file_error(r->log_path, "cannot write the log: %s", strerror(errno));
+    r->rc = 1;
+  }
+  if (r->rc == 0 && r->c.n > 0 && r->lead)
+    log_summary(r);
+  for (int i = 0; r->k > 1 && i < r->ac.n; i++)
+    free(r->ac.sum[i]);
+  free(r->ac.sum);
+  free(r->ac.tmp);
+  free(r->c.loss);
+  free(r->c.val);
+  free(r->c.val_step);
+  free(r->c.met);
+  free(r->c.val_met);
+  free(r->val_mean);
+  free(r->shared);
+  run_unhook(r);
+  metrics_free(&r->met);
+  loader_close(r->train);
+  if (r->val)
+    loader_close(r->val);
+  return r->rc ? r->rc : r->stopped ? 128 + r->stopped : 0;
+}
+
+// The loop: each step runs (train_step), its figures are made the run's (finish_step), validated
+// where due, logged, and checkpointed where due, until the last step, an error or a stop.
+static int train_loop(Engine *e, Engine *eval, Engine *micro, const TrainOptions *o, const char *ckpt,
+                      const char *log_path, const char *svg) {
+  Run r = {.e = e, .eval = eval, .micro = micro, .o = o, .g = e->g, .ckpt = ckpt, .log_path = log_path, .svg = svg};
+  if (!run_open(&r))
     return 1;
-  int64_t batches = o->arrays ? array_val_batches(val, B, o->val_batches) : o->val_batches;
-  double *mean = rt_xrealloc(NULL, sizeof(double) * (size_t)(g->noutputs + 1));
-  char err[512] = "";
-  bool ok = val_means(eval, val, loader_state(val), batches, B * T, mean, err, sizeof err);
-  if (!ok)
-    diag_file_error(o->model_path, "evaluation: %s", err);
-  if (ok && o->arrays)
-    printf("val loss %.4f over %lld validation batches of %lld examples\n", mean[0], (long long)batches,
-           (long long)B);
-  else if (ok)
-    printf("val loss %.4f (unigram entropy %.4f) over %lld validation batches of %lldx%lld\n", mean[0],
-           unigram_entropy(o->data_dir, V), (long long)o->val_batches, (long long)B, (long long)T);
-  for (int i = 0; ok && i < g->noutputs; i++) // (the scalar outputs besides the loss: main.c's open_side_engine)
-    printf("%s %.6g\n", g->nodes[g->outputs[i]]->name, mean[i + 1]);
-  free(mean);
-  loader_close(val);
-  return ok ? 0 : 1;
+  run_plan(&r);
+  StopSignals stops;
+  catch_stop(&stops);
+  r.writer = (CkptWriter){.ok = true};
+  r.t_start = rt_now(), r.last_val = NAN;
+  r.ckpt_step = o->resume ? r.start : -1;
+  // A full line for the first step, the last, every log_every-th and each validation; on a terminal,
+  // the progress line between them; with --quiet, neither.
+  r.log_every = o->log_every > 0 ? o->log_every : train_log_every(r.last);
+  r.pg = (Progress){.on = !o->quiet && isatty(STDOUT_FILENO) && r.world == 1}; // (mpirun's ranks write to a pty)
+  r.red = (Reduce){.e = e};
+  r.shared = rt_xrealloc(NULL, sizeof(double) * (size_t)(r.met.n + 2));
+  run_hooks(&r);
+  for (int64_t step = r.start + 1; step <= r.last; step++) {
+    RunStep s = {.step = step};
+    int ran = train_step(&r, &s);
+    if (ran == STEP_NO_BATCH)
+      stop_without_batch(&r, &s);
+    if (ran != STEP_RAN)
+      break;
+    s.stop = stop_signal; // (read once the step has run: a signal during it stops the run at this step)
+    if (!finish_step(&r, &s) || !validate_step(&r, &s))
+      break;
+    log_step(&r, &s);
+    if ((s.nonfinite && !skip_nonfinite(&r, &s)) || !checkpoint_step(&r, &s))
+      break;
+  }
+  progress_clear(&r.pg);
+  if (!ckpt_free(&r.writer))
+    r.rc = 1;
+  release_stop(&stops);
+  return run_close(&r);
 }
