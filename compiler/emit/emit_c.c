@@ -1,9 +1,10 @@
 // emit_c.c: the C emitter. It turns the step plan (a Fusion and its MemPlan) into one translation unit
 // of C11 + OpenMP for the whole training step: a prelude of helpers (runtime/kernels/prelude.h), one function
 // per step, mdl_step calling them in order, and a table of kernels the runtime can time one by one.
-// This file holds the emitter's state, buffers, the inline evaluator, elementwise loops, row loops,
-// GEMMs and the steps; the other loop families are in emit_c_rows.c, emit_c_lmhead.c, emit_c_attn.c
-// and emit_c_opt.c (emit_common.h lists them), sharing emit_c_impl.h.
+// This file holds the module: its steps, their kernels' pointers and shared code, and GEMMs; the loop
+// families are in emit_c_rows.c, emit_c_lmhead.c, emit_c_attn.c and emit_c_opt.c, built with the
+// toolkit of emit_c_kit.c (buffers, the inline evaluator, elementwise and row loops); emit_common.h
+// lists them, emit_c_impl.h is what they share.
 //
 // Kernels that run the same loops on other buffers (one per layer: GPT-2 124M's 238 kernels are 30
 // distinct ones) share one function that takes their buffers' arena offsets, and each kernel calls
@@ -69,40 +70,8 @@
 #include <string.h>
 
 //
-// Lines and scopes.
-//
-
-void c_note(Emit *e, const char *fmt, ...) {
-  ec_bput(&e->notes, "//   ");
-  va_list ap;
-  va_start(ap, fmt);
-  ec_bvput(&e->notes, fmt, ap);
-  va_end(ap);
-  ec_bput(&e->notes, "\n");
-}
-
-void c_par_for(Emit *e, int64_t work, const char *schedule) {
-  if (work >= PAR_MIN) {
-    ec_line(&e->core, "#pragma omp parallel for num_threads(h->nthreads) schedule(%s)", schedule);
-    e->uses_h = true;
-  }
-}
-
-const char *c_str(Emit *e, const char *fmt, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
-  return arena_strdup(e->core.a, buf);
-}
-
-// A float literal that reads back as the same float, in as few digits as that takes.
-const char *c_flit(Emit *e, double v) { return ec_flit(&e->core, v); }
-
-//
-// Buffers: every node read or written through memory gets one pointer, declared at the top of its
-// kernel: its arena slot, a scratch buffer, or (a GEMM root) the buffer of its epilogue's output.
+// The kernel's pointers, declared at its top: every node read or written through memory has one (its
+// arena slot, a scratch buffer, or for a GEMM root the buffer of its epilogue's output).
 //
 
 static const char *shape_txt(Emit *e, int n) {
@@ -114,20 +83,6 @@ static const char *shape_txt(Emit *e, int n) {
 static const char *node_label(Emit *e, int n) {
   const IrNode *nd = ec_node(&e->core, n);
   return c_str(e, "%%%d %s%s%s", n, op_name(nd->op), nd->name ? " " : "", nd->name ? nd->name : "");
-}
-
-// Marks c's pointer as used; the declarations are written, in node order, when the kernel is done.
-int c_ptr(Emit *e, int c) {
-  if (e->declared[c])
-    return c;
-  if (ec_offset(&e->core, c) < 0 && e->core.host[c] < 0 && !e->core.scratch[c])
-    ec_fail(&e->core, "node %d (%s) has no buffer in step %s", c, op_name(ec_node(&e->core, c)->op),
-            e->core.f->steps[e->core.si].name);
-  if (e->core.host[c] >= 0)
-    c_ptr(e, e->core.host[c]);
-  e->declared[c] = true;
-  e->decls[e->ndecls++] = c;
-  return c;
 }
 
 static int cmp_int(const void *a, const void *b) { return *(const int *)a - *(const int *)b; }
@@ -181,58 +136,8 @@ static void write_decls(Emit *e, Buf *decl, Buf *shared, Kernel *k, Buf *frees) 
 }
 
 //
-// The inline evaluator.
+// The evaluator's hooks.
 //
-
-// Reading node c at ix from memory: records reads that the chosen layout must allow.
-static void note_read(Emit *e, int c, const char *ix) {
-  bool at_post = e->post_anchor == c && strcmp(ix, e->post_ix) == 0;
-  if (e->core.in_step[c] && e->core.grp[c] >= 0 && !at_post && ec_offset(&e->core, c) < 0)
-    ec_flag(&e->core, e->core.spill, c);
-}
-
-// The value of node n at flat index ix, as a C expression; emits what computes it. A step output
-// met at the current loop's own index is stored on the way.
-const char *c_val(Emit *e, int n, const char *ix) {
-  int c = ec_canon(&e->core, n);
-  const IrNode *nd = ec_node(&e->core, c);
-  if (nd->op == OP_CONST)
-    return nd->dtype == DT_I32 ? ec_ilit(&e->core, nd->fa[0]) : c_flit(e, nd->fa[0]);
-  if (ec_numel(&e->core, c) == 1)
-    ix = "0";
-  const char *hit = ec_memo_get(&e->core, c, ix);
-  if (hit)
-    return hit;
-  const char *name = c_str(e, "v%d_%s", c, ix);
-  if (ec_in_memory(&e->core, c)) {
-    note_read(e, c, ix);
-    ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name,
-            ec_load(&e->core, c, c_str(e, "b%d[%s]", c_ptr(e, c), ix)));
-  } else if (e->core.in_step[c] && ec_is_pointwise(nd->op)) {
-    const char *expr = ec_pointwise_expr(&e->core, c, ix);
-    ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name, expr);
-    bool own = e->loop_ix && ec_numel(&e->core, c) == e->loop_n && (strcmp(ix, e->loop_ix) == 0 || e->loop_n == 1);
-    if (ec_has_target(&e->core, c) && !e->core.stored[c] && own) {
-      ec_line(&e->core, "b%d[%s] = %s;", c_ptr(e, c), ix, ec_store(&e->core, c, name));
-      e->core.stored[c] = true;
-      e->core.phase_nodes[e->core.nphase++] = c;
-    }
-  } else if (e->core.in_step[c] && e->core.grp[c] >= 0) {
-    // An anchor of this step that is not in memory (yet): read inside its own loop at another index,
-    // or after it while only a local or a row of it existed. Flag it; the next pass lays it out.
-    if (e->post_inloop && e->post_anchor == c && e->cur_q >= 0)
-      ec_flag(&e->core, e->core.post_bad, e->cur_q);
-    else
-      ec_flag(&e->core, e->core.spill, c);
-    return "0.0f";
-  } else {
-    ec_fail(&e->core, "step %s reads node %d (%s), which no earlier step wrote", e->core.f->steps[e->core.si].name, c,
-            op_name(nd->op));
-    return "0";
-  }
-  ec_memo_put(&e->core, c, ix, name);
-  return name;
-}
 
 // The evaluator hooks of EmitCore (core is the first member of Emit).
 static const char *core_val(EmitCore *core, int n, const char *ix) { return c_val((Emit *)core, n, ix); }
@@ -249,118 +154,11 @@ static const char *core_fp8_cast(EmitCore *core, const IrNode *cast, const char 
 }
 
 //
-// Elementwise loops, each a phase: its stores count as written after it.
+// Anchors.
 //
 
-// One elementwise loop over `numel` elements writing nodes[0..k) (all of that size). post_anchor
-// names the GEMM whose epilogue this is, or -1. Over rows of the nodes' last axis when there are
-// enough of them (ROW_MIN): a value broadcast along rows (a bias) is then read at the column c, so
-// the loop over a row vectorizes (as i % width, it would be a gather, and GCC leaves it scalar).
-enum { ROW_MIN = 16 };
-
-static void pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_anchor) {
-  ec_phase_begin(&e->core);
-  Buf b = {0};
-  for (int t = 0; t < k; t++)
-    ec_bput(&b, "%s%%%d", t ? " " : "", nodes[t]);
-  c_note(e, "elementwise over %lld: %s", (long long)numel, b.s ? b.s : "");
-  free(b.s);
-  c_par_for(e, numel, "static");
-  int64_t w = ec_last_dim(&e->core, nodes[0]);
-  if (w >= ROW_MIN && numel / w >= ROW_MIN && numel % w == 0) {
-    ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)(numel / w));
-    ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)w);
-    ec_line(&e->core, "const int64_t i = r * %lld + c;", (long long)w);
-    e->core.row_ix = "i";
-    e->core.row_r = "r";
-    e->core.row_w = w;
-  } else {
-    ec_enter(&e->core, "for (int64_t i = 0; i < %lld; i++)", (long long)numel);
-  }
-  e->loop_ix = "i";
-  e->loop_n = numel;
-  e->post_anchor = post_anchor;
-  e->post_ix = "i";
-  e->post_inloop = false;
-  for (int t = 0; t < k; t++) {
-    e->cur_q = nodes[t];
-    const char *v = c_val(e, nodes[t], "i");
-    if (!e->core.stored[nodes[t]]) {
-      ec_line(&e->core, "b%d[i] = %s;", c_ptr(e, nodes[t]), ec_store(&e->core, nodes[t], v));
-      e->core.stored[nodes[t]] = true;
-      e->core.phase_nodes[e->core.nphase++] = nodes[t];
-    }
-  }
-  ec_leave(&e->core);
-  if (e->core.row_ix)
-    ec_leave(&e->core);
-  e->core.row_ix = NULL;
-  e->loop_ix = NULL;
-  e->post_anchor = -1;
-  e->cur_q = -1;
-  ec_phase_end(&e->core);
-}
-
-// Elementwise loops for a list of nodes, one per distinct size, in order of first appearance.
-static void pw_loops(Emit *e, const int *nodes, int k, int post_anchor) {
-  bool *done = ec_xcalloc((size_t)k, sizeof *done);
-  int *same = ec_xcalloc((size_t)k, sizeof *same);
-  for (int t = 0; t < k; t++) {
-    if (done[t])
-      continue;
-    int ns = 0;
-    for (int u = t; u < k; u++)
-      if (!done[u] && ec_numel(&e->core, nodes[u]) == ec_numel(&e->core, nodes[t])) {
-        same[ns++] = nodes[u];
-        done[u] = true;
-      }
-    pw_loop(e, same, ns, ec_numel(&e->core, nodes[t]), post_anchor);
-  }
-  free(done);
-  free(same);
-}
-
-void c_flush(Emit *e) {
-  if (e->core.npending)
-    pw_loops(e, e->core.pending, e->core.npending, -1);
-  e->core.npending = 0;
-}
-
-Rows c_rows_at(Emit *e, int buf, int64_t off, int64_t stride) {
-  return (Rows){off ? c_str(e, "b%d + %lld", c_ptr(e, buf), (long long)off) : c_str(e, "b%d", c_ptr(e, buf)), stride,
-                buf, off};
-}
-
-// n's rows (last axis) in memory: n itself, or a SLICE of the last axis of a tensor in memory (q, k,
-// v out of one qkv buffer), read in place with that tensor's stride.
-Rows c_rows_of(Emit *e, int n) {
-  int src;
-  int64_t start;
-  if (ec_row_slice(&e->core, n, &src, &start))
-    return c_rows_at(e, src, start, ec_last_dim(&e->core, src));
-  return c_rows_at(e, ec_need(&e->core, n), 0, ec_last_dim(&e->core, n));
-}
-
-// The rows r of a GEMM's operand as f32: a bf16 operand reads them from its buffer widened into
-// w<buf> (emitted here, once per group however many operands read that buffer; wide[] lists the
-// buffers to free after the group).
-Rows c_widened(Emit *e, Rows r, int *wide, int *nwide) {
-  if (ec_node(&e->core, r.buf)->dtype != DT_BF16)
-    return r;
-  bool have = false;
-  for (int i = 0; i < *nwide; i++)
-    have |= wide[i] == r.buf;
-  if (!have) {
-    e->uses_h = true;
-    ec_line(&e->core, "float *const w%d = mdl_widen_bf16(b%d, %lld, h->nthreads);", r.buf, c_ptr(e, r.buf),
-            (long long)ec_numel(&e->core, r.buf));
-    wide[(*nwide)++] = r.buf;
-  }
-  r.base = r.off ? c_str(e, "w%d + %lld", r.buf, (long long)r.off) : c_str(e, "w%d", r.buf);
-  return r;
-}
-
-// The same for an fp8 operand (scaled tensor t): its values times 1 / its scale, exactly.
+// The rows r of an fp8 GEMM operand (scaled tensor t) as f32, as c_widened does for bf16: its values
+// times 1 / its scale, exactly.
 static Rows c_widened_fp8(Emit *e, Rows r, int64_t t, int *wide, int *nwide) {
   e->uses_h = true;
   ec_line(&e->core, "float *const w%d = mdl_widen_fp8(b%d, %lld, %d, 1.0f / h->fp8_scale[%lld], h->nthreads);", r.buf,
@@ -371,107 +169,6 @@ static Rows c_widened_fp8(Emit *e, Rows r, int64_t t, int *wide, int *nwide) {
   return r;
 }
 
-void c_free_widened(Emit *e, const int *wide, int nwide) {
-  for (int i = 0; i < nwide; i++)
-    ec_line(&e->core, "mdl_free(w%d);", wide[i]);
-}
-
-// Evaluates the post outputs inside the anchor's own loop, where the anchor's value at index ix is
-// the expression y.
-void c_post_inloop(Emit *e, int anchor, const int *q, int nq, const char *ix, int64_t n, const char *y) {
-  e->loop_ix = ix;
-  e->loop_n = n;
-  e->post_anchor = anchor;
-  e->post_ix = ix;
-  e->post_inloop = true;
-  ec_memo_put(&e->core, anchor, ec_numel(&e->core, anchor) == 1 ? "0" : ix, y);
-  for (int t = 0; t < nq; t++) {
-    e->cur_q = q[t];
-    c_val(e, q[t], ix);
-  }
-  e->post_anchor = -1;
-  e->post_inloop = false;
-  e->cur_q = -1;
-}
-
-//
-// Loops over rows with per-thread scratch rows.
-//
-
-void c_rows_open(Emit *e, const char *var, int64_t rows, int64_t work, const Tmp *tmp, int ntmp) {
-  bool par = work >= PAR_MIN;
-  if (ntmp) {
-    if (par) {
-      ec_line(&e->core, "#pragma omp parallel num_threads(h->nthreads)");
-      e->uses_h = true;
-    }
-    ec_enter(&e->core, "%s", "");
-    for (int i = 0; i < ntmp; i++)
-      ec_line(&e->core, "float *%s = mdl_scratch(%lld * sizeof(float));", tmp[i].name, (long long)tmp[i].n);
-    if (par)
-      ec_line(&e->core, "#pragma omp for schedule(static)");
-  } else {
-    c_par_for(e, work, "static");
-  }
-  ec_enter(&e->core, "for (int64_t %s = 0; %s < %lld; %s++)", var, var, (long long)rows, var);
-}
-
-void c_rows_close(Emit *e, const Tmp *tmp, int ntmp) {
-  ec_leave(&e->core);
-  if (ntmp) {
-    for (int i = 0; i < ntmp; i++)
-      ec_line(&e->core, "mdl_free(%s);", tmp[i].name);
-    ec_leave(&e->core);
-  }
-}
-
-// Inside a row loop over r: a pointer named `name` to row r of x (cols wide), computed inline into
-// the per-thread row `tmp` when x is not in memory.
-void c_row_ptr(Emit *e, int x, const char *name, const char *tmp, int64_t cols) {
-  int a = ec_mem_alias(&e->core, x);
-  if (a >= 0) {
-    ec_line(&e->core, "const %s *%s = b%d + r * %lld;", ec_ctype(&e->core, a), name, c_ptr(e, a), (long long)cols);
-    return;
-  }
-  ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
-  ec_line(&e->core, "const int64_t ix = r * %lld + j;", (long long)cols);
-  const char *save = e->loop_ix;
-  int64_t save_n = e->loop_n;
-  e->loop_ix = "ix";
-  e->loop_n = ec_numel(&e->core, x);
-  ec_line(&e->core, "%s[j] = %s;", tmp, c_val(e, x, "ix"));
-  e->loop_ix = save;
-  e->loop_n = save_n;
-  ec_leave(&e->core);
-  ec_line(&e->core, "const float *%s = %s;", name, tmp);
-}
-
-// Is x read inline (not in memory)? Then the row loop needs a scratch row for it.
-bool c_row_inline(Emit *e, int x) {
-  if (ec_mem_alias(&e->core, x) >= 0)
-    return false;
-  int c = ec_canon(&e->core, x);
-  if (e->core.in_step[c] && ec_is_pointwise(ec_node(&e->core, c)->op))
-    return true;
-  ec_need(&e->core, x); // a constant or an anchor kept as a local: in memory first
-  return false;
-}
-
-// The output buffer of a row-wise or reducing anchor: whole (arena slot or scratch) when it is an
-// output or read at other indices; otherwise only a per-thread row (or a local) exists.
-bool c_whole(Emit *e, int a) {
-  if (ec_offset(&e->core, a) >= 0)
-    return true;
-  if (e->core.spill[a]) {
-    e->core.scratch[a] = true;
-    return true;
-  }
-  return false;
-}
-
-//
-// Anchors.
-//
 
 // One GEMM (or one per batch) through fn (mdl_gemm or mdl_bgemm) into buffer c.
 static void gemm_call(Emit *e, const char *fn, bool ta, bool tb, int64_t m, int64_t n, int64_t k, Rows a, Rows b,
@@ -557,7 +254,7 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   ec_phase_done(&e->core, mm);
   ec_phase_end(&e->core);
   if (nq && !ec_reduction_after(&e->core, gi, emitted, ec_numel(&e->core, mm)))
-    pw_loop(e, q, nq, ec_numel(&e->core, mm), mm);
+    c_pw_loop(e, q, nq, ec_numel(&e->core, mm), mm);
   free(q);
 }
 
@@ -624,7 +321,7 @@ static void emit_step_body(Emit *e) {
   free(emitted);
   int *rest = ec_xcalloc((size_t)st->nnodes + 1, sizeof *rest), nrest = ec_unwritten(&e->core, rest);
   if (nrest)
-    pw_loops(e, rest, nrest, -1);
+    c_pw_loops(e, rest, nrest, -1);
   free(rest);
   ec_check_written(&e->core);
 }

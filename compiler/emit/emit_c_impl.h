@@ -53,7 +53,7 @@ typedef struct {
 } Tmp;
 
 //
-// emit_c.c
+// emit_c_kit.c: the toolkit the loop families build with (they call nothing of emit_c.c's)
 //
 
 void c_note(Emit *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -73,6 +73,9 @@ void c_rows_close(Emit *e, const Tmp *tmp, int ntmp);
 void c_row_ptr(Emit *e, int x, const char *name, const char *tmp, int64_t cols);
 bool c_row_inline(Emit *e, int x);
 bool c_whole(Emit *e, int a);
+void c_pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_anchor);
+void c_pw_loops(Emit *e, const int *nodes, int k, int post_anchor);
+void c_exp_sum(Emit *e, int64_t n, const char *expr, const char *dst);
 
 //
 // emit_c_rows.c
@@ -81,7 +84,6 @@ bool c_whole(Emit *e, int a);
 void c_emit_reduce(Emit *e, int gi, const bool *emitted);
 void c_emit_norm_fwd(Emit *e, int gi, const bool *emitted);
 void c_emit_norm_bwd(Emit *e, int gi, const bool *emitted);
-void c_exp_sum(Emit *e, int64_t n, const char *expr, const char *dst);
 void c_emit_softmax(Emit *e, int gi, const bool *emitted);
 void c_emit_embed(Emit *e, int gi);
 void c_emit_embed_bwd(Emit *e, int gi);

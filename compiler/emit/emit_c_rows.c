@@ -383,47 +383,6 @@ void c_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   free(q);
 }
 
-// Declares `double sum`, the sum over j in [0, n) of ej = `expr` (stored in dst[j] too unless dst is
-// NULL): 16 f32 lanes by the element's place in a block of 256, each block's lanes added into 16
-// double lanes, then a fixed tree. The order depends on n alone (not on the alignment that a vector
-// loop peels for), the f32 part of each lane sums 16 terms, and the loop vectorizes: a sum in double
-// lanes halves the vector width and measured 5-6x slower on the LM head's rows, GCC keeping each
-// element's exp in scalar code.
-void c_exp_sum(Emit *e, int64_t n, const char *expr, const char *dst) {
-  ec_line(&e->core, "double sum;");
-  ec_enter(&e->core, "%s", "");
-  ec_line(&e->core, "double lane[16] = {0};");
-  ec_enter(&e->core, "for (int64_t j0 = 0; j0 < %lld; j0 += 256)", (long long)n);
-  ec_line(&e->core, "const int64_t j1 = j0 + 256 < %lld ? j0 + 256 : %lld;", (long long)n, (long long)n);
-  ec_line(&e->core, "float part[16] = {0};");
-  ec_line(&e->core, "int64_t k = j0;");
-  ec_enter(&e->core, "for (; k + 16 <= j1; k += 16)");
-  ec_enter(&e->core, "for (int64_t u = 0; u < 16; u++)");
-  ec_line(&e->core, "const int64_t j = k + u;");
-  ec_line(&e->core, "const float ej = %s;", expr);
-  if (dst)
-    ec_line(&e->core, "%s[j] = ej;", dst);
-  ec_line(&e->core, "part[u] += ej;");
-  ec_leave(&e->core);
-  ec_leave(&e->core);
-  if (n % 16) { // the last block's tail (emitted only where there is one: GCC warns of part[] overrun)
-    ec_enter(&e->core, "for (int64_t j = k; j < j1; j++)");
-    ec_line(&e->core, "const float ej = %s;", expr);
-    if (dst)
-      ec_line(&e->core, "%s[j] = ej;", dst);
-    ec_line(&e->core, "part[j - k] += ej;");
-    ec_leave(&e->core);
-  }
-  ec_line(&e->core, "for (int u = 0; u < 16; u++)");
-  ec_line(&e->core, "  lane[u] += part[u];");
-  ec_leave(&e->core);
-  ec_line(&e->core, "for (int w = 8; w > 0; w /= 2)");
-  ec_line(&e->core, "  for (int u = 0; u < w; u++)");
-  ec_line(&e->core, "    lane[u] += lane[u + w];");
-  ec_line(&e->core, "sum = lane[0];");
-  ec_leave(&e->core);
-}
-
 // SOFTMAX (x) or SOFTMAX_BWD (y, dy) over the last axis, one row per iteration.
 void c_emit_softmax(Emit *e, int gi, const bool *emitted) {
   int a = e->core.groups[gi].mem[0];

@@ -4,15 +4,17 @@
 // The emitters, file by file:
 //   emit_common.c       what does not depend on the target: where values are, groups and their order,
 //                       lines and scopes, the index maps of the inline evaluator
-//   emit_c.c            the C emitter (C11 + OpenMP): the module and its steps, buffers, the inline
-//                       evaluator, elementwise and row loops, GEMMs
+//   emit_c.c            the C emitter (C11 + OpenMP): the module and its steps, GEMMs
+//   emit_c_kit.c        its toolkit: buffers, the inline evaluator, elementwise and row loops
 //   emit_c_rows.c       its row and reduction loops: sums, norms, softmax, embed, rope, masks
 //   emit_c_lmhead.c     its cross-entropy and LM head
 //   emit_c_attn.c       its attention, forward and backward
 //   emit_c_opt.c        its optimizer
 //   emit_c_impl.h       what the emit_c*.c files share (names prefixed c_)
-//   emit_cuda.c         the CUDA emitter: the module, its steps and their launch plan (CudaPlan), kernels
-//                       and their buffers, the inline evaluator, elementwise kernels, GEMMs and epilogues
+//   emit_cuda.c         the CUDA emitter: the module, its steps and their launch plan (CudaPlan), GEMMs
+//                       and epilogues
+//   emit_cuda_kit.c     its toolkit: kernels and their buffers, the inline evaluator, elementwise
+//                       kernels, row shapes
 //   emit_cuda_rows.c    its row and reduction kernels: sums, norms, softmax, embed, rope, masks
 //   emit_cuda_lmhead.c  its cross-entropy and LM head (the rows: prelude.cuh's mdl_ce_row)
 //   emit_cuda_attn.c    its attention, forward and backward (on tensor cores: prelude.cuh's mdl_att_fwd,

@@ -135,15 +135,17 @@ typedef struct {
   int64_t at, stride;
 } Rows;
 
-// How a row kernel spreads its rows over threads (cu_row_shape, emit_cuda_rows.c).
+// How a row kernel spreads its rows over threads (cu_row_shape).
 typedef struct {
   int tpr, npl, rpb, block; // threads per row, elements per thread, rows per block, block size
   int64_t groups, grid;
 } RowShape;
 
 //
-// emit_cuda.c
+// emit_cuda_kit.c: the toolkit the kernel families build with (they call nothing of emit_cuda.c's)
 //
+
+int64_t cu_align_up(int64_t x, int64_t a);
 
 void cu_note(Emit *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void cu_orelse(Emit *e);
@@ -168,16 +170,18 @@ Rows cu_rows_of(Emit *e, int n);
 const char *cu_rows_base(Emit *e, Rows r);
 void cu_post_inloop(Emit *e, int anchor, const int *q, int nq, const char *ix, int64_t n, const char *y);
 bool cu_whole(Emit *e, int a);
-
-//
-// emit_cuda_rows.c
-//
-
+void cu_pw_loop(Emit *e, const int *nodes, int k, int64_t n, int post_anchor, const char *role);
+void cu_pw_loops(Emit *e, const int *nodes, int k, int post_anchor, const char *role);
 RowShape cu_row_shape(Emit *e, int64_t cols, int64_t groups, int most);
 const char *cu_rs_who(Emit *e, const RowShape *rs);
 void cu_rows_open(Emit *e, const RowShape *rs, const char *var);
 const char *cu_rsum(Emit *e, const RowShape *rs, const char *x);
 const char *cu_rfmax(Emit *e, const RowShape *rs, const char *x);
+
+//
+// emit_cuda_rows.c
+//
+
 void cu_emit_reduce(Emit *e, int gi, const bool *emitted);
 void cu_emit_norm_fwd(Emit *e, int gi, const bool *emitted);
 void cu_emit_norm_bwd(Emit *e, int gi, const bool *emitted);

@@ -11,51 +11,8 @@
 #include <string.h>
 
 //
-// Rows: a warp per row, or a block for long rows, the row's elements spread over the threads
-// (element j of the row lives in thread j % TPR, slot j / TPR).
+// Rows (cu_row_shape): the loops over a thread's elements of a row.
 //
-
-// The fewest threads per row (a warp at least, a power of two) that hold at most `most` elements each.
-RowShape cu_row_shape(Emit *e, int64_t cols, int64_t groups, int most) {
-  int tpr = 32;
-  while (tpr < 1024 && (cols + tpr - 1) / tpr > most)
-    tpr *= 2;
-  RowShape rs = {tpr, (int)((cols + tpr - 1) / tpr), tpr == 32 ? BLOCK / 32 : 1, tpr == 32 ? BLOCK : tpr, groups, 0};
-  rs.grid = (groups + rs.rpb - 1) / rs.rpb;
-  if (rs.npl > 64)
-    ec_fail(&e->core, "step %s: rows of %lld elements are too long", e->core.f->steps[e->core.si].name,
-            (long long)cols);
-  return rs;
-}
-
-const char *cu_rs_who(Emit *e, const RowShape *rs) {
-  return rs->tpr == 32 ? "a warp" : ec_str(&e->core, "a block of %d threads", rs->tpr);
-}
-
-// Opens the scope of row group `var` (r, or k for blocks of rows); tr is the thread within the row.
-void cu_rows_open(Emit *e, const RowShape *rs, const char *var) {
-  if (rs->tpr == 32) {
-    ec_line(&e->core, "const %s %s = blockIdx.x * %d + (threadIdx.x >> 5);", e->core.ixt, var, rs->rpb);
-    ec_line(&e->core, "const int tr = threadIdx.x & 31;");
-  } else {
-    ec_line(&e->core, "const %s %s = blockIdx.x;", e->core.ixt, var);
-    ec_line(&e->core, "const int tr = threadIdx.x;");
-  }
-  if (rs->grid * rs->rpb > rs->groups)
-    ec_enter(&e->core, "if (%s < %lld)", var, (long long)rs->groups);
-  else
-    ec_enter(&e->core, "%s", "");
-}
-
-const char *cu_rsum(Emit *e, const RowShape *rs, const char *x) {
-  return rs->tpr == 32 ? ec_str(&e->core, "mdl_warp_sum(%s)", x)
-                       : ec_str(&e->core, "mdl_block_sum(%s, %s)", x, cu_sh_double(e));
-}
-
-const char *cu_rfmax(Emit *e, const RowShape *rs, const char *x) {
-  return rs->tpr == 32 ? ec_str(&e->core, "mdl_warp_fmax(%s)", x)
-                       : ec_str(&e->core, "mdl_block_fmax(%s, %s)", x, cu_sh_float(e));
-}
 
 // A loop over this thread's elements of row r: opens "for t", then "if (j < cols)" with ix = r * cols + j.
 static void row_each(Emit *e, const RowShape *rs, int64_t cols) {
