@@ -58,9 +58,11 @@
 //
 // What does not depend on the target (where values are, groups and their order, lines and scopes,
 // the index maps of the evaluator) is in emit_common.c, whose state EmitCore this emitter embeds as
-// e->core.
+// e->core; the walk over a step's passes and groups and the evaluator's walk are emit_walk.c's, which
+// calls this target through c_target, its table of hooks.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "backend.h"
 #include "emit_c_impl.h"
 
@@ -136,24 +138,6 @@ static void write_decls(Emit *e, Buf *decl, Buf *shared, Kernel *k, Buf *frees) 
 }
 
 //
-// The evaluator's hooks.
-//
-
-// The evaluator hooks of EmitCore (core is the first member of Emit).
-static const char *core_val(EmitCore *core, int n, const char *ix) { return c_val((Emit *)core, n, ix); }
-static const char *core_base(EmitCore *core, int n) { return c_str((Emit *)core, "b%d", c_ptr((Emit *)core, n)); }
-
-static const char *core_seed(EmitCore *core) {
-  ((Emit *)core)->uses_h = true;
-  return "h->seed";
-}
-
-static const char *core_fp8_cast(EmitCore *core, const IrNode *cast, const char *x) {
-  ((Emit *)core)->uses_h = true;
-  return ec_str(core, "mdl_cast_%s(h, %lld, %s)", cast->ia[0] == DT_F8E5M2 ? "e5m2" : "e4m3", (long long)cast->ia[1], x);
-}
-
-//
 // Anchors.
 //
 
@@ -190,7 +174,8 @@ static void gemm_call(Emit *e, const char *fn, bool ta, bool tb, int64_t m, int6
   ec_leave(&e->core);
 }
 
-static void emit_gemm(Emit *e, int gi, const bool *emitted) {
+static void emit_gemm(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int mm = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, mm);
   Shape sa = ec_node(&e->core, nd->in[0])->shape, sb = ec_node(&e->core, nd->in[1])->shape, so = nd->shape;
@@ -204,9 +189,9 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
     a = c_rows_at(e, ec_need(&e->core, nd->in[0]), 0, sa.d[sa.rank - 1]);
     b = c_rows_at(e, ec_need(&e->core, nd->in[1]), 0, sb.d[sb.rank - 1]);
   }
-  c_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), e->core.emitted, q);
   // The product is f32: it may be written into an f32 output of the epilogue only.
   if (ec_offset(&e->core, mm) < 0) {
     for (int t = 0; t < nq && !e->core.spill[mm] && e->core.host[mm] < 0; t++)
@@ -253,77 +238,22 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   }
   ec_phase_done(&e->core, mm);
   ec_phase_end(&e->core);
-  if (nq && !ec_reduction_after(&e->core, gi, emitted, ec_numel(&e->core, mm)))
-    c_pw_loop(e, q, nq, ec_numel(&e->core, mm), mm);
+  if (nq && !ec_reduction_after(&e->core, gi, e->core.emitted, ec_numel(&e->core, mm)))
+    c_pw_loop(&e->core, q, nq, ec_numel(&e->core, mm), mm, "epilogue");
   free(q);
-}
-
-static void emit_group(Emit *e, int gi, const bool *emitted) {
-  const Group *gr = &e->core.groups[gi];
-  switch (gr->kind) {
-  case G_NORM_BWD: c_emit_norm_bwd(e, gi, emitted); return;
-  case G_ATTN: c_emit_attention(e, gi); return;
-  case G_ATTN_BWD: c_emit_attention_bwd(e, gi); return;
-  case G_CE: c_emit_ce(e, gi); return;
-  case G_LMHEAD: c_emit_lmhead(e, gi); return;
-  case G_OPT: c_emit_optimizer(e, gi); return;
-  case G_SINGLE: break;
-  }
-  Op op = ec_node(&e->core, gr->mem[0])->op;
-  switch (op) {
-  case OP_MATMUL: emit_gemm(e, gi, emitted); return;
-  case OP_SUM: case OP_MEAN: case OP_MAX: case OP_TARGET_COUNT: c_emit_reduce(e, gi, emitted); return;
-  case OP_LAYERNORM: case OP_RMSNORM: c_emit_norm_fwd(e, gi, emitted); return;
-  case OP_SOFTMAX: case OP_SOFTMAX_BWD: c_emit_softmax(e, gi, emitted); return;
-  case OP_EMBED: c_emit_embed(e, gi); return;
-  case OP_EMBED_BWD: c_emit_embed_bwd(e, gi); return;
-  case OP_ROPE: c_emit_rope(e, gi); return;
-  case OP_MAX_BWD: c_emit_max_bwd(e, gi); return;
-  case OP_TOPK: c_emit_topk(e, gi); return;
-  case OP_GATHER: c_emit_gather(e, gi); return;
-  case OP_GATHER_BWD: case OP_SCATTER_ADD: c_emit_scatter(e, gi); return;
-  case OP_ATTENTION_MASK: c_emit_attn_mask(e, gi); return;
-  default: ec_fail(&e->core, "no kernel for %s", op_name(op));
-  }
 }
 
 //
 // Steps.
 //
 
-static void pass_reset(Emit *e) {
-  size_t n = (size_t)e->core.g->n;
-  memset(e->core.written, 0, n * sizeof *e->core.written);
-  memset(e->core.scratch, 0, n * sizeof *e->core.scratch);
-  memset(e->declared, 0, n * sizeof *e->declared);
-  memset(e->core.stored, 0, n * sizeof *e->core.stored);
-  for (size_t i = 0; i < n; i++)
-    e->core.host[i] = -1;
-  e->core.body.len = e->notes.len = 0;
-  e->core.nmemo = e->core.nixm = e->core.npending = e->core.nphase = e->ndecls = 0;
-  e->core.indent = 1;
-  e->core.depth = 0;
-  e->core.fresh = 0;
-  e->loop_ix = NULL;
-  e->post_anchor = e->cur_q = -1;
-  e->post_inloop = false;
+// The C target's part of a pass's reset (emit_walk.c resets the rest).
+static void pass_reset(EmitCore *core) {
+  Emit *e = (Emit *)core;
+  memset(e->declared, 0, (size_t)core->g->n * sizeof *e->declared);
+  e->notes.len = 0;
+  e->ndecls = 0;
   e->uses_h = false;
-  e->core.flagged = false;
-}
-
-static void emit_step_body(Emit *e) {
-  const Step *st = &e->core.f->steps[e->core.si];
-  bool *emitted = ec_xcalloc((size_t)e->core.ngroups + 1, sizeof *emitted);
-  for (int k = 0; k < e->core.ngroups && !e->core.failed; k++) {
-    emit_group(e, e->core.order[k], emitted);
-    emitted[e->core.order[k]] = true;
-  }
-  free(emitted);
-  int *rest = ec_xcalloc((size_t)st->nnodes + 1, sizeof *rest), nrest = ec_unwritten(&e->core, rest);
-  if (nrest)
-    c_pw_loops(e, rest, nrest, -1);
-  free(rest);
-  ec_check_written(&e->core);
 }
 
 // The text two kernels share exactly when one's code computes the other's on other buffers: comments
@@ -369,38 +299,12 @@ static char *kernel_key(const char *s) {
 
 // Emits step si as the function `name`, into k.
 static bool emit_kernel(Emit *e, int si, const char *name, Kernel *k) {
-  const Step *st = &e->core.f->steps[si];
-  e->core.si = si;
-  for (int k = 0; k < st->nnodes; k++)
-    e->core.in_step[st->nodes[k]] = !ec_is_leaf(ec_node(&e->core, st->nodes[k])->op);
-  memset(e->core.spill, 0, sizeof *e->core.spill * (size_t)e->core.g->n);
-  memset(e->core.post_bad, 0, sizeof *e->core.post_bad * (size_t)e->core.g->n);
-  bool ok = ec_groups_order(&e->core);
-  for (int pass = 0; ok && pass < 32; pass++) {
-    pass_reset(e);
-    emit_step_body(e);
-    if (e->core.failed || !e->core.flagged)
-      break;
-  }
-  if (!e->core.failed && e->core.flagged)
-    ec_fail(&e->core, "step %s: the layout of its values did not settle", st->name);
-  for (int k = 0; k < st->nnodes; k++) {
-    e->core.in_step[st->nodes[k]] = false;
-    e->core.grp[st->nodes[k]] = -1;
-  }
-  if (e->core.failed)
+  if (!ew_step(&e->core, si))
     return false;
   ec_drop_unused(&e->core);
 
   Buf head = {0}, code = {0}, shared = {0};
-  ec_bput(&head, "\n// %s: %s, %d op%s\n", name, ec_kind_name(st->kind), st->nnodes, st->nnodes == 1 ? "" : "s");
-  for (int j = 0; j < st->nnodes; j++) {
-    const IrNode *nd = ec_node(&e->core, st->nodes[j]);
-    char buf[128];
-    ec_bput(&head, "//   %%%-5d %-18s %-20s %-10s %s%s\n", nd->id, op_name(nd->op), nd->name ? nd->name : "",
-            nd->loc.line ? c_str(e, "line %d", nd->loc.line) : "", dtype_name(nd->dtype),
-            shape_str(nd->shape, buf, sizeof buf));
-  }
+  ew_step_head(&e->core, &head, name);
   ec_bput(&head, "// loops:\n");
   ec_bappend(&head, &e->notes);
   ec_bput(&code, "MDL_FN void %s(char *arena, const MdlHooks *h) {\n", name);
@@ -503,42 +407,26 @@ static void write_kernels(Buf *out, const Kernel *ks, int n, int nparts, int *pa
   free(placed);
 }
 
-// A C identifier from a step name; unique among the kernels.
-static const char *kernel_name(Emit *e, const char *name, int si, const char **names) {
-  char buf[160];
-  size_t k = 0;
-  for (const char *p = name ? name : ""; *p && k + 1 < sizeof buf - 16; p++)
-    buf[k++] = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ? *p : '_';
-  buf[k] = 0;
-  if (!k || (buf[0] >= '0' && buf[0] <= '9'))
-    snprintf(buf, sizeof buf, "k%d_%s", si + 1, name && *name ? name : "step");
-  for (int i = 0; i < si; i++)
-    if (!strcmp(names[i], buf)) {
-      snprintf(buf + strlen(buf), 16, "_%d", si + 1);
-      break;
-    }
-  return arena_strdup(e->core.a, buf);
-}
+// The C target: its hooks and its loop families.
+static const EmitTarget c_target = {
+    .seed = c_seed, .base = c_base, .fp8_cast = c_fp8_cast, .local = c_local, .store = c_store,
+    .pw_loop = c_pw_loop, .pass_reset = pass_reset,
+    .kernel = {[EK_GEMM] = emit_gemm, [EK_REDUCE] = c_emit_reduce, [EK_NORM_FWD] = c_emit_norm_fwd,
+               [EK_NORM_BWD] = c_emit_norm_bwd, [EK_SOFTMAX] = c_emit_softmax, [EK_EMBED] = c_emit_embed,
+               [EK_EMBED_BWD] = c_emit_embed_bwd, [EK_ROPE] = c_emit_rope, [EK_MAX_BWD] = c_emit_max_bwd,
+               [EK_TOPK] = c_emit_topk, [EK_GATHER] = c_emit_gather, [EK_SCATTER] = c_emit_scatter,
+               [EK_ATTN_MASK] = c_emit_attn_mask, [EK_ATTENTION] = c_emit_attention,
+               [EK_ATTENTION_BWD] = c_emit_attention_bwd, [EK_CE] = c_emit_ce, [EK_LMHEAD] = c_emit_lmhead,
+               [EK_OPTIMIZER] = c_emit_optimizer},
+};
 
 char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   const Graph *g = f->g;
   size_t n = (size_t)g->n;
-  Emit e = {.core = {.f = f, .m = m, .g = g, .a = arena_new(), .val = core_val, .seed = core_seed, .base = core_base,
-                     .fp8_cast = core_fp8_cast, .ixt = "int64_t"}};
-  e.core.in_step = ec_xcalloc(n, sizeof *e.core.in_step);
-  e.core.grp = ec_xcalloc(n, sizeof *e.core.grp);
-  e.core.spill = ec_xcalloc(n, sizeof *e.core.spill);
-  e.core.post_bad = ec_xcalloc(n, sizeof *e.core.post_bad);
-  e.core.written = ec_xcalloc(n, sizeof *e.core.written);
-  e.core.scratch = ec_xcalloc(n, sizeof *e.core.scratch);
+  Emit e = {0};
+  ew_open(&e.core, &c_target, f, m);
   e.declared = ec_xcalloc(n, sizeof *e.declared);
-  e.core.stored = ec_xcalloc(n, sizeof *e.core.stored);
-  e.core.host = ec_xcalloc(n, sizeof *e.core.host);
-  e.core.phase_nodes = ec_xcalloc(n, sizeof *e.core.phase_nodes);
-  e.core.pending = ec_xcalloc(n, sizeof *e.core.pending);
   e.decls = ec_xcalloc(n, sizeof *e.decls);
-  for (size_t i = 0; i < n; i++)
-    e.core.grp[i] = -1;
 
   ec_bput(&e.out, "// Generated by mdlc %s from %s: do not edit.\n", MDL_VERSION, source_path ? source_path : "?");
   ec_bput(&e.out,
@@ -562,7 +450,7 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   const char **names = ec_xcalloc((size_t)f->nsteps + 1, sizeof *names);
   Kernel *ks = ec_xcalloc((size_t)f->nsteps + 1, sizeof *ks);
   for (int si = 0; si < f->nsteps; si++) {
-    names[si] = kernel_name(&e, f->steps[si].name, si, names);
+    names[si] = ew_kernel_name(&e.core, f->steps[si].name, si, names);
     if (!emit_kernel(&e, si, names[si], &ks[si]))
       break;
   }
@@ -617,22 +505,9 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   free(ks);
   free(names);
   free(e.out.s);
-  free(e.core.body.s);
   free(e.notes.s);
-  free(e.core.memo);
-  free(e.core.ixm);
-  free(e.core.in_step);
-  free(e.core.grp);
-  free(e.core.spill);
-  free(e.core.post_bad);
-  free(e.core.written);
-  free(e.core.scratch);
   free(e.declared);
-  free(e.core.stored);
-  free(e.core.host);
-  free(e.core.phase_nodes);
-  free(e.core.pending);
   free(e.decls);
-  arena_free(e.core.a);
+  ew_close(&e.core);
   return text;
 }

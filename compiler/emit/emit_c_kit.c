@@ -4,6 +4,7 @@
 #include "mdl.h"
 #include "emit_common.h"
 #include "backend.h"
+#include "emit_walk.h"
 #include "emit_c_impl.h"
 
 #include <math.h>
@@ -66,54 +67,24 @@ int c_ptr(Emit *e, int c) {
 // The inline evaluator.
 //
 
-// Reading node c at ix from memory: records reads that the chosen layout must allow.
-static void note_read(Emit *e, int c, const char *ix) {
-  bool at_post = e->post_anchor == c && strcmp(ix, e->post_ix) == 0;
-  if (e->core.in_step[c] && e->core.grp[c] >= 0 && !at_post && ec_offset(&e->core, c) < 0)
-    ec_flag(&e->core, e->core.spill, c);
+// The evaluator's hooks (emit_walk.h: EmitTarget). A local is named after its node and index
+// (v12_i), which write_kernels numbers when it compares kernels.
+const char *c_local(EmitCore *core, int c, const char *ix) { return ec_str(core, "v%d_%s", c, ix); }
+
+void c_store(EmitCore *core, int c, const char *ix, const char *v) {
+  ec_line(core, "b%d[%s] = %s;", c_ptr((Emit *)core, c), ix, ec_store(core, c, v));
 }
 
-// The value of node n at flat index ix, as a C expression; emits what computes it. A step output
-// met at the current loop's own index is stored on the way.
-const char *c_val(Emit *e, int n, const char *ix) {
-  int c = ec_canon(&e->core, n);
-  const IrNode *nd = ec_node(&e->core, c);
-  if (nd->op == OP_CONST)
-    return nd->dtype == DT_I32 ? ec_ilit(&e->core, nd->fa[0]) : c_flit(e, nd->fa[0]);
-  if (ec_numel(&e->core, c) == 1)
-    ix = "0";
-  const char *hit = ec_memo_get(&e->core, c, ix);
-  if (hit)
-    return hit;
-  const char *name = c_str(e, "v%d_%s", c, ix);
-  if (ec_in_memory(&e->core, c)) {
-    note_read(e, c, ix);
-    ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name,
-            ec_load(&e->core, c, c_str(e, "b%d[%s]", c_ptr(e, c), ix)));
-  } else if (e->core.in_step[c] && ec_is_pointwise(nd->op)) {
-    const char *expr = ec_pointwise_expr(&e->core, c, ix);
-    ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name, expr);
-    bool own = e->loop_ix && ec_numel(&e->core, c) == e->loop_n && (strcmp(ix, e->loop_ix) == 0 || e->loop_n == 1);
-    if (ec_has_target(&e->core, c) && !e->core.stored[c] && own) {
-      ec_line(&e->core, "b%d[%s] = %s;", c_ptr(e, c), ix, ec_store(&e->core, c, name));
-      e->core.stored[c] = true;
-      e->core.phase_nodes[e->core.nphase++] = c;
-    }
-  } else if (e->core.in_step[c] && e->core.grp[c] >= 0) {
-    // An anchor of this step that is not in memory (yet): read inside its own loop at another index,
-    // or after it while only a local or a row of it existed. Flag it; the next pass lays it out.
-    if (e->post_inloop && e->post_anchor == c && e->cur_q >= 0)
-      ec_flag(&e->core, e->core.post_bad, e->cur_q);
-    else
-      ec_flag(&e->core, e->core.spill, c);
-    return "0.0f";
-  } else {
-    ec_fail(&e->core, "step %s reads node %d (%s), which no earlier step wrote", e->core.f->steps[e->core.si].name, c,
-            op_name(nd->op));
-    return "0";
-  }
-  ec_memo_put(&e->core, c, ix, name);
-  return name;
+const char *c_base(EmitCore *core, int n) { return ec_str(core, "b%d", c_ptr((Emit *)core, n)); }
+
+const char *c_seed(EmitCore *core) {
+  ((Emit *)core)->uses_h = true;
+  return "h->seed";
+}
+
+const char *c_fp8_cast(EmitCore *core, const IrNode *cast, const char *x) {
+  ((Emit *)core)->uses_h = true;
+  return ec_str(core, "mdl_cast_%s(h, %lld, %s)", cast->ia[0] == DT_F8E5M2 ? "e5m2" : "e4m3", (long long)cast->ia[1], x);
 }
 
 //
@@ -126,7 +97,9 @@ const char *c_val(Emit *e, int n, const char *ix) {
 // the loop over a row vectorizes (as i % width, it would be a gather, and GCC leaves it scalar).
 enum { ROW_MIN = 16 };
 
-void c_pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_anchor) {
+void c_pw_loop(EmitCore *core, const int *nodes, int k, int64_t numel, int post_anchor, const char *role) {
+  Emit *e = (Emit *)core;
+  (void)role; // (a loop of the C target has no name of its own)
   ec_phase_begin(&e->core);
   Buf b = {0};
   for (int t = 0; t < k; t++)
@@ -145,53 +118,20 @@ void c_pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_anchor)
   } else {
     ec_enter(&e->core, "for (int64_t i = 0; i < %lld; i++)", (long long)numel);
   }
-  e->loop_ix = "i";
-  e->loop_n = numel;
-  e->post_anchor = post_anchor;
-  e->post_ix = "i";
-  e->post_inloop = false;
-  for (int t = 0; t < k; t++) {
-    e->cur_q = nodes[t];
-    const char *v = c_val(e, nodes[t], "i");
-    if (!e->core.stored[nodes[t]]) {
-      ec_line(&e->core, "b%d[i] = %s;", c_ptr(e, nodes[t]), ec_store(&e->core, nodes[t], v));
-      e->core.stored[nodes[t]] = true;
-      e->core.phase_nodes[e->core.nphase++] = nodes[t];
-    }
-  }
+  e->core.loop_ix = "i";
+  e->core.loop_n = numel;
+  e->core.post_anchor = post_anchor;
+  e->core.post_ix = "i";
+  e->core.post_inloop = false;
+  ew_pw_values(&e->core, nodes, k, "i");
   ec_leave(&e->core);
   if (e->core.row_ix)
     ec_leave(&e->core);
   e->core.row_ix = NULL;
-  e->loop_ix = NULL;
-  e->post_anchor = -1;
-  e->cur_q = -1;
+  e->core.loop_ix = NULL;
+  e->core.post_anchor = -1;
+  e->core.cur_q = -1;
   ec_phase_end(&e->core);
-}
-
-// Elementwise loops for a list of nodes, one per distinct size, in order of first appearance.
-void c_pw_loops(Emit *e, const int *nodes, int k, int post_anchor) {
-  bool *done = ec_xcalloc((size_t)k, sizeof *done);
-  int *same = ec_xcalloc((size_t)k, sizeof *same);
-  for (int t = 0; t < k; t++) {
-    if (done[t])
-      continue;
-    int ns = 0;
-    for (int u = t; u < k; u++)
-      if (!done[u] && ec_numel(&e->core, nodes[u]) == ec_numel(&e->core, nodes[t])) {
-        same[ns++] = nodes[u];
-        done[u] = true;
-      }
-    c_pw_loop(e, same, ns, ec_numel(&e->core, nodes[t]), post_anchor);
-  }
-  free(done);
-  free(same);
-}
-
-void c_flush(Emit *e) {
-  if (e->core.npending)
-    c_pw_loops(e, e->core.pending, e->core.npending, -1);
-  e->core.npending = 0;
 }
 
 Rows c_rows_at(Emit *e, int buf, int64_t off, int64_t stride) {
@@ -231,24 +171,6 @@ Rows c_widened(Emit *e, Rows r, int *wide, int *nwide) {
 void c_free_widened(Emit *e, const int *wide, int nwide) {
   for (int i = 0; i < nwide; i++)
     ec_line(&e->core, "mdl_free(w%d);", wide[i]);
-}
-
-// Evaluates the post outputs inside the anchor's own loop, where the anchor's value at index ix is
-// the expression y.
-void c_post_inloop(Emit *e, int anchor, const int *q, int nq, const char *ix, int64_t n, const char *y) {
-  e->loop_ix = ix;
-  e->loop_n = n;
-  e->post_anchor = anchor;
-  e->post_ix = ix;
-  e->post_inloop = true;
-  ec_memo_put(&e->core, anchor, ec_numel(&e->core, anchor) == 1 ? "0" : ix, y);
-  for (int t = 0; t < nq; t++) {
-    e->cur_q = q[t];
-    c_val(e, q[t], ix);
-  }
-  e->post_anchor = -1;
-  e->post_inloop = false;
-  e->cur_q = -1;
 }
 
 //
@@ -292,13 +214,13 @@ void c_row_ptr(Emit *e, int x, const char *name, const char *tmp, int64_t cols) 
   }
   ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
   ec_line(&e->core, "const int64_t ix = r * %lld + j;", (long long)cols);
-  const char *save = e->loop_ix;
-  int64_t save_n = e->loop_n;
-  e->loop_ix = "ix";
-  e->loop_n = ec_numel(&e->core, x);
-  ec_line(&e->core, "%s[j] = %s;", tmp, c_val(e, x, "ix"));
-  e->loop_ix = save;
-  e->loop_n = save_n;
+  const char *save = e->core.loop_ix;
+  int64_t save_n = e->core.loop_n;
+  e->core.loop_ix = "ix";
+  e->core.loop_n = ec_numel(&e->core, x);
+  ec_line(&e->core, "%s[j] = %s;", tmp, ew_val(&e->core, x, "ix"));
+  e->core.loop_ix = save;
+  e->core.loop_n = save_n;
   ec_leave(&e->core);
   ec_line(&e->core, "const float *%s = %s;", name, tmp);
 }
@@ -311,18 +233,6 @@ bool c_row_inline(Emit *e, int x) {
   if (e->core.in_step[c] && ec_is_pointwise(ec_node(&e->core, c)->op))
     return true;
   ec_need(&e->core, x); // a constant or an anchor kept as a local: in memory first
-  return false;
-}
-
-// The output buffer of a row-wise or reducing anchor: whole (arena slot or scratch) when it is an
-// output or read at other indices; otherwise only a per-thread row (or a local) exists.
-bool c_whole(Emit *e, int a) {
-  if (ec_offset(&e->core, a) >= 0)
-    return true;
-  if (e->core.spill[a]) {
-    e->core.scratch[a] = true;
-    return true;
-  }
   return false;
 }
 

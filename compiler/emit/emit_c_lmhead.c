@@ -2,6 +2,7 @@
 // of rows). See emit_c.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "backend.h"
 #include "emit_c_impl.h"
 
@@ -72,7 +73,8 @@ static void ce_row(Emit *e, const char *what, int64_t v, bool x16, const char *l
 }
 
 // CROSS_ENTROPY and / or CROSS_ENTROPY_BWD over the same logits: one pass per row.
-void c_emit_ce(Emit *e, int gi) {
+void c_emit_ce(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   int ce = -1, ceb = -1;
   for (int i = 0; i < gr->nmem; i++)
@@ -81,7 +83,7 @@ void c_emit_ce(Emit *e, int gi) {
   int64_t v = ec_last_dim(&e->core, nd->in[0]), rows = ec_numel(&e->core, nd->in[1]);
   int lg = ec_need(&e->core, nd->in[0]), tg = ec_need(&e->core, nd->in[1]),
       dl = ceb >= 0 ? ec_need(&e->core, ec_node(&e->core, ceb)->in[2]) : -1;
-  c_flush(e);
+  ew_flush(&e->core);
   for (int i = 0; i < gr->nmem; i++)
     if (ec_offset(&e->core, gr->mem[i]) < 0)
       e->core.scratch[gr->mem[i]] = true;
@@ -160,12 +162,13 @@ static void lmhead_chunks(Emit *e, const Group *gr, int64_t n, int64_t c, int64_
 // operands, the logits are rounded to bf16 values before the loss reads them (their CAST, lc), and
 // dlogits rounded to bf16 values; the GEMMs run on the library's bf16 GEMM where the runtime has one,
 // else on x and W widened to f32 once for all the chunks.
-void c_emit_lmhead(Emit *e, int gi) {
+void c_emit_lmhead(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   const IrNode *xm = ec_node(&e->core, gr->x);
   int64_t n = xm->shape.d[0], c = xm->shape.d[1], v = ec_last_dim(&e->core, gr->mm);
   int x = ec_need(&e->core, gr->x), w = ec_need(&e->core, gr->w);
-  c_flush(e);
+  ew_flush(&e->core);
   int outs[3] = {gr->ce, gr->dx, gr->dw}, nout = gr->ceb >= 0 ? 3 : 1;
   for (int i = 0; i < nout; i++)
     if (ec_offset(&e->core, outs[i]) < 0)

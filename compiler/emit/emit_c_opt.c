@@ -2,6 +2,7 @@
 // segment: AdamW, SGD or Lion). See emit_c.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "backend.h"
 #include "emit_c_impl.h"
 
@@ -15,7 +16,8 @@
 // place, and the parameter's bf16 copy (fuse.c, rule 11) rounded from the new p. Each segment has
 // its weight decay and its multiplier of lr (lr_scale). With ZeRO stage 1 (--zero 1) the runtime's
 // hooks name the parameters this rank updates (own_lo, own_end: arena bytes); the others are skipped.
-void c_emit_optimizer(Emit *e, int gi) {
+void c_emit_optimizer(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   int gn = -1;
   for (int i = 0; i < gr->nmem; i++)
@@ -32,7 +34,7 @@ void c_emit_optimizer(Emit *e, int gi) {
       if (nd->in[k] != opt_gnorm(nd) || e->core.grp[ec_canon(&e->core, opt_gnorm(nd))] != gi)
         ec_need(&e->core, nd->in[k]);
   }
-  c_flush(e);
+  ew_flush(&e->core);
   ec_phase_begin(&e->core);
   for (int i = 0; i < gr->nmem; i++) {
     const IrNode *nd = ec_node(&e->core, gr->mem[i]);

@@ -4,7 +4,10 @@
 // The emitters, file by file:
 //   emit_common.c       what does not depend on the target: where values are, groups and their order,
 //                       lines and scopes, the index maps of the inline evaluator
-//   emit_c.c            the C emitter (C11 + OpenMP): the module and its steps, GEMMs
+//   emit_walk.c         the walker, written once: steps and their passes, groups handed to the target's
+//                       kernels, the inline evaluator's walk, elementwise loops' grouping, reductions'
+//                       shared parts; it calls a target only through its hooks (emit_walk.h: EmitTarget)
+//   emit_c.c            the C emitter (C11 + OpenMP): its EmitTarget, the module and its steps, GEMMs
 //   emit_c_kit.c        its toolkit: buffers, the inline evaluator, elementwise and row loops
 //   emit_c_rows.c       its row and reduction loops: sums, norms, softmax, embed, rope, masks
 //   emit_c_lmhead.c     its cross-entropy and LM head
@@ -96,7 +99,9 @@ typedef struct {
 // Each emitter embeds EmitCore as the first member (`core`) of its own state, so that its hooks may
 // convert the EmitCore pointer they get back to the emitter's state.
 typedef struct EmitCore EmitCore;
+typedef struct EmitTarget EmitTarget; // the target's hooks (emit_walk.h)
 struct EmitCore {
+  const EmitTarget *target;
   // the target's part of the inline evaluator
   const char *(*val)(EmitCore *e, int n, const char *ix); // node n's value at flat index ix (emits what computes it)
   const char *(*seed)(EmitCore *e);                       // the run's seed, for a dropout mask
@@ -133,6 +138,15 @@ struct EmitCore {
   int nphase;
   int *pending;    // nodes to write before the next group
   int npending;
+  const bool *emitted; // the groups emitted before the one being emitted
+
+  // the loop being emitted
+  const char *loop_ix; // its own flat index (stores happen there)
+  int64_t loop_n;      // and the number of elements it visits
+  int post_anchor;     // inside the loop that follows (or is) this anchor's, else -1
+  const char *post_ix;
+  bool post_inloop;    // that loop is the anchor's own loop (its value is a local)
+  int cur_q;           // the output being evaluated there
 
   // the code being built (a function or a kernel)
   Buf body;
