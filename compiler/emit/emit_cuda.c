@@ -8,7 +8,7 @@
 //
 // Design. The emitter mirrors emit_c.c: the same split of a step's nodes into anchors (ops that need
 // a kernel shape of their own) and pointwise nodes, evaluated inline at any flat index by the same
-// evaluator `cu_val` through their index maps; the same groups of anchors (norm backward siblings,
+// evaluator (emit_walk.c's ew_val) through their index maps; the same groups of anchors (norm backward siblings,
 // attention backward, cross-entropy with its gradient, the LM head, the optimizer), emitted in the
 // same order, with the same passes that settle which values a step keeps whole. Where the C emitter
 // opens a loop nest inside one function, this one opens a kernel: a step becomes a short sequence of
@@ -89,6 +89,7 @@
 // e->core.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "emit_cuda.h"
 #include "emit_cuda_impl.h"
 
@@ -122,31 +123,6 @@ const char *cuda_error_what(long long code) {
   case CUDA_ERR_TARGET: return "cross_entropy: target";
   default: return "error";
   }
-}
-
-//
-// The evaluator's hooks.
-//
-
-// The evaluator hooks of EmitCore (core is the first member of Emit).
-static const char *core_val(EmitCore *core, int n, const char *ix) { return cu_val((Emit *)core, n, ix); }
-static const char *core_base(EmitCore *core, int n) { return cu_ptr((Emit *)core, n); }
-
-// The step's seed is read from device memory, where the runtime writes it before each step: a
-// captured graph replays its launches' arguments as they were, so a seed passed by value would
-// repeat the first step's dropout masks in every step.
-static const char *core_seed(EmitCore *core) {
-  (void)core;
-  return "(*seed)";
-}
-
-// A CAST to fp8: its tensor's scale and amax in the arena's fp8 region (CudaPlan.fp8).
-static const char *core_fp8_cast(EmitCore *core, const IrNode *cast, const char *x) {
-  const Emit *e = (const Emit *)core;
-  int64_t t = cast->ia[1], n = core->g->nfp8;
-  return ec_str(core, "mdl_cast_%s(%s, (const float *)(arena + %lld), (unsigned *)(arena + %lld))",
-                cast->ia[0] == DT_F8E5M2 ? "e5m2" : "e4m3", x, (long long)(e->fp8 + 4 * t),
-                (long long)(e->fp8 + 8 * n + 4 * t));
 }
 
 //
@@ -289,7 +265,8 @@ static const char *epi_name(CudaEpilogue k) {
   }
 }
 
-static void emit_gemm(Emit *e, int gi, const bool *emitted) {
+static void emit_gemm(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int mm = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, mm);
   Shape sa = ec_node(&e->core, nd->in[0])->shape, sb = ec_node(&e->core, nd->in[1])->shape, so = nd->shape;
@@ -303,9 +280,9 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
     a = (Rows){ec_need(&e->core, nd->in[0]), 0, sa.d[sa.rank - 1]};
     b = (Rows){ec_need(&e->core, nd->in[1]), 0, sb.d[sb.rank - 1]};
   }
-  cu_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), e->core.emitted, q);
   int64_t batches = ec_span(so, 0, so.rank - 2);
   int out = mm, bias = -1, aux = -1, resid = -1, cast = bf16_result(e, mm, n);
   CudaEpilogue epi = CUDA_EPI_NONE;
@@ -359,90 +336,23 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   if (aux >= 0)
     ec_phase_done(&e->core, aux);
   ec_phase_end(&e->core);
-  nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
-  if (nq && !ec_reduction_after(&e->core, gi, emitted, ec_numel(&e->core, mm)))
-    cu_pw_loop(e, q, nq, ec_numel(&e->core, mm), mm, "epilogue");
+  nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), e->core.emitted, q);
+  if (nq && !ec_reduction_after(&e->core, gi, e->core.emitted, ec_numel(&e->core, mm)))
+    cu_pw_loop(&e->core, q, nq, ec_numel(&e->core, mm), mm, "epilogue");
   free(q);
-}
-
-static void emit_group(Emit *e, int gi, const bool *emitted) {
-  const Group *gr = &e->core.groups[gi];
-  switch (gr->kind) {
-  case G_NORM_BWD: cu_emit_norm_bwd(e, gi, emitted); return;
-  case G_ATTN: cu_emit_attention(e, gi); return;
-  case G_ATTN_BWD: cu_emit_attention_bwd(e, gi); return;
-  case G_CE: cu_emit_ce(e, gi); return;
-  case G_LMHEAD: cu_emit_lmhead(e, gi); return;
-  case G_OPT: cu_emit_optimizer(e, gi); return;
-  case G_SINGLE: break;
-  }
-  Op op = ec_node(&e->core, gr->mem[0])->op;
-  switch (op) {
-  case OP_MATMUL: emit_gemm(e, gi, emitted); return;
-  case OP_SUM: case OP_MEAN: case OP_MAX: case OP_TARGET_COUNT: cu_emit_reduce(e, gi, emitted); return;
-  case OP_LAYERNORM: case OP_RMSNORM: cu_emit_norm_fwd(e, gi, emitted); return;
-  case OP_SOFTMAX: case OP_SOFTMAX_BWD: cu_emit_softmax(e, gi, emitted); return;
-  case OP_EMBED: cu_emit_embed(e, gi); return;
-  case OP_EMBED_BWD: cu_emit_embed_bwd(e, gi, emitted); return;
-  case OP_ROPE: cu_emit_rope(e, gi); return;
-  case OP_MAX_BWD: cu_emit_max_bwd(e, gi); return;
-  case OP_TOPK: cu_emit_topk(e, gi); return;
-  case OP_GATHER: cu_emit_gather(e, gi); return;
-  case OP_GATHER_BWD: case OP_SCATTER_ADD: cu_emit_scatter(e, gi); return;
-  case OP_ATTENTION_MASK: cu_emit_attn_mask(e, gi); return;
-  default: ec_fail(&e->core, "no kernel for %s", op_name(op));
-  }
 }
 
 //
 // Steps.
 //
 
-static void pass_reset(Emit *e) {
-  size_t n = (size_t)e->core.g->n;
-  memset(e->core.written, 0, n * sizeof *e->core.written);
-  memset(e->core.scratch, 0, n * sizeof *e->core.scratch);
-  memset(e->core.stored, 0, n * sizeof *e->core.stored);
-  for (size_t i = 0; i < n; i++) {
-    e->core.host[i] = -1;
+// The CUDA target's part of a pass's reset (emit_walk.c resets the rest).
+static void pass_reset(EmitCore *core) {
+  Emit *e = (Emit *)core;
+  for (int i = 0; i < core->g->n; i++)
     e->soff[i] = -1;
-  }
   e->stop = 0;
   e->nkt = e->nsl = e->nsg = 0;
-  e->core.npending = e->core.nphase = 0;
-  e->core.flagged = false;
-}
-
-static void emit_step_body(Emit *e) {
-  const Step *st = &e->core.f->steps[e->core.si];
-  bool *emitted = ec_xcalloc((size_t)e->core.ngroups + 1, sizeof *emitted);
-  for (int k = 0; k < e->core.ngroups && !e->core.failed; k++) {
-    emit_group(e, e->core.order[k], emitted);
-    emitted[e->core.order[k]] = true;
-  }
-  free(emitted);
-  int *rest = ec_xcalloc((size_t)st->nnodes + 1, sizeof *rest), nrest = ec_unwritten(&e->core, rest);
-  if (nrest)
-    cu_pw_loops(e, rest, nrest, -1, e->core.ngroups ? "rest" : "");
-  free(rest);
-  ec_check_written(&e->core);
-}
-
-// A C identifier from a step name; unique among the steps.
-static const char *kernel_name(Emit *e, const char *name, int si, const char **names) {
-  char buf[160];
-  size_t k = 0;
-  for (const char *p = name ? name : ""; *p && k + 1 < sizeof buf - 16; p++)
-    buf[k++] = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ? *p : '_';
-  buf[k] = 0;
-  if (!k || (buf[0] >= '0' && buf[0] <= '9'))
-    snprintf(buf, sizeof buf, "k%d_%s", si + 1, name && *name ? name : "step");
-  for (int i = 0; i < si; i++)
-    if (!strcmp(names[i], buf)) {
-      snprintf(buf + strlen(buf), 16, "_%d", si + 1);
-      break;
-    }
-  return arena_strdup(e->core.a, buf);
 }
 
 static unsigned long hash_str(const char *a, const char *b, const char *c) {
@@ -480,15 +390,7 @@ static const char *kernel_of(Emit *e, const KText *t, Buf *text) {
 
 // Appends the step's kernels and GEMMs, as the last pass left them, to the module and the schedule.
 static void commit_step(Emit *e) {
-  const Step *st = &e->core.f->steps[e->core.si];
-  ec_bput(&e->out, "\n// %s: %s, %d op%s\n", e->sname, ec_kind_name(st->kind), st->nnodes, st->nnodes == 1 ? "" : "s");
-  for (int k = 0; k < st->nnodes; k++) {
-    const IrNode *nd = ec_node(&e->core, st->nodes[k]);
-    char buf[128];
-    ec_bput(&e->out, "//   %%%-5d %-18s %-20s %-10s %s%s\n", nd->id, op_name(nd->op), nd->name ? nd->name : "",
-            nd->loc.line ? ec_str(&e->core, "line %d", nd->loc.line) : "", dtype_name(nd->dtype),
-            shape_str(nd->shape, buf, sizeof buf));
-  }
+  ew_step_head(&e->core, &e->out, e->sname);
   ec_bput(&e->out, "// runs:\n");
   Buf text = {0};
   const char **names = ec_xcalloc((size_t)e->nkt + 1, sizeof *names);
@@ -547,41 +449,6 @@ static void commit_step(Emit *e) {
     e->scratch_max = e->stop;
 }
 
-// Emits step si: passes until the layout of its values settles, then the last pass is kept.
-static bool emit_step(Emit *e, int si, const char *name) {
-  const Step *st = &e->core.f->steps[si];
-  e->core.si = si;
-  e->sname = name;
-  int64_t most = 0;
-  for (int k = 0; k < st->nnodes; k++) {
-    const IrNode *nd = ec_node(&e->core, st->nodes[k]);
-    e->core.in_step[st->nodes[k]] = !ec_is_leaf(nd->op);
-    most = ec_numel(&e->core, nd->id) > most ? ec_numel(&e->core, nd->id) : most;
-    for (int j = 0; j < nd->nin; j++)
-      most = ec_numel(&e->core, nd->in[j]) > most ? ec_numel(&e->core, nd->in[j]) : most;
-  }
-  e->core.ixt = most < (int64_t)1 << 30 ? "int" : "int64_t";
-  memset(e->core.spill, 0, sizeof *e->core.spill * (size_t)e->core.g->n);
-  memset(e->core.post_bad, 0, sizeof *e->core.post_bad * (size_t)e->core.g->n);
-  bool ok = ec_groups_order(&e->core);
-  for (int pass = 0; ok && pass < 32; pass++) {
-    pass_reset(e);
-    emit_step_body(e);
-    if (e->core.failed || !e->core.flagged)
-      break;
-  }
-  if (!e->core.failed && e->core.flagged)
-    ec_fail(&e->core, "step %s: the layout of its values did not settle", st->name);
-  for (int k = 0; k < st->nnodes; k++) {
-    e->core.in_step[st->nodes[k]] = false;
-    e->core.grp[st->nodes[k]] = -1;
-  }
-  if (e->core.failed)
-    return false;
-  commit_step(e);
-  return true;
-}
-
 static void build_users(Emit *e) {
   const Graph *g = e->core.g;
   e->users = ec_xcalloc((size_t)g->n, sizeof *e->users);
@@ -601,25 +468,28 @@ static void build_users(Emit *e) {
   free(cap);
 }
 
+// The CUDA target: its hooks and its kernel families.
+static const EmitTarget cuda_target = {
+    .narrow_ix = true, .seed = cu_seed, .base = cu_base, .fp8_cast = cu_fp8_cast, .local = cu_local,
+    .lanes = cu_lanes, .store = cu_store, .pw_loop = cu_pw_loop, .pass_reset = pass_reset,
+    .kernel = {[EK_GEMM] = emit_gemm, [EK_REDUCE] = cu_emit_reduce, [EK_NORM_FWD] = cu_emit_norm_fwd,
+               [EK_NORM_BWD] = cu_emit_norm_bwd, [EK_SOFTMAX] = cu_emit_softmax, [EK_EMBED] = cu_emit_embed,
+               [EK_EMBED_BWD] = cu_emit_embed_bwd, [EK_ROPE] = cu_emit_rope, [EK_MAX_BWD] = cu_emit_max_bwd,
+               [EK_TOPK] = cu_emit_topk, [EK_GATHER] = cu_emit_gather, [EK_SCATTER] = cu_emit_scatter,
+               [EK_ATTN_MASK] = cu_emit_attn_mask, [EK_ATTENTION] = cu_emit_attention,
+               [EK_ATTENTION_BWD] = cu_emit_attention_bwd, [EK_CE] = cu_emit_ce, [EK_LMHEAD] = cu_emit_lmhead,
+               [EK_OPTIMIZER] = cu_emit_optimizer},
+};
+
 CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_path) {
   const Graph *g = f->g;
   size_t n = (size_t)g->n;
-  Emit e = {.core = {.f = f, .m = m, .g = g, .a = arena_new(), .val = core_val, .seed = core_seed, .base = core_base,
-                     .fp8_cast = core_fp8_cast}};
-  e.core.in_step = ec_xcalloc(n, sizeof *e.core.in_step);
-  e.core.grp = ec_xcalloc(n, sizeof *e.core.grp);
-  e.core.spill = ec_xcalloc(n, sizeof *e.core.spill);
-  e.core.post_bad = ec_xcalloc(n, sizeof *e.core.post_bad);
-  e.core.written = ec_xcalloc(n, sizeof *e.core.written);
-  e.core.scratch = ec_xcalloc(n, sizeof *e.core.scratch);
-  e.core.stored = ec_xcalloc(n, sizeof *e.core.stored);
-  e.core.host = ec_xcalloc(n, sizeof *e.core.host);
+  Emit e = {0};
+  ew_open(&e.core, &cuda_target, f, m);
   e.soff = ec_xcalloc(n, sizeof *e.soff);
   e.slot_of = ec_xcalloc(n, sizeof *e.slot_of);
-  e.core.phase_nodes = ec_xcalloc(n, sizeof *e.core.phase_nodes);
-  e.core.pending = ec_xcalloc(n, sizeof *e.core.pending);
   for (size_t i = 0; i < n; i++)
-    e.core.grp[i] = e.slot_of[i] = -1;
+    e.slot_of[i] = -1;
   build_users(&e);
 
   e.fp8 = cu_align_up(m->arena_bytes, SCRATCH_ALIGN);
@@ -643,9 +513,10 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
 
   const char **names = ec_xcalloc((size_t)f->nsteps + 1, sizeof *names);
   for (int si = 0; si < f->nsteps; si++) {
-    names[si] = kernel_name(&e, f->steps[si].name, si, names);
-    if (!emit_step(&e, si, names[si]))
+    names[si] = e.sname = ew_kernel_name(&e.core, f->steps[si].name, si, names);
+    if (!ew_step(&e.core, si))
       break;
+    commit_step(&e);
   }
   CudaPlan *plan = NULL;
   if (e.core.failed) {
@@ -686,10 +557,7 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
   }
   free(names);
   free(e.out.s);
-  free(e.core.body.s);
   free(e.notes.s);
-  free(e.core.memo);
-  free(e.core.ixm);
   free(e.lst);
   free(e.held);
   free(e.kt);
@@ -703,19 +571,9 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
     free(e.users[i]);
   free(e.users);
   free(e.nusers);
-  free(e.core.in_step);
-  free(e.core.grp);
-  free(e.core.spill);
-  free(e.core.post_bad);
-  free(e.core.written);
-  free(e.core.scratch);
-  free(e.core.stored);
-  free(e.core.host);
   free(e.soff);
   free(e.slot_of);
-  free(e.core.phase_nodes);
-  free(e.core.pending);
-  arena_free(e.core.a);
+  ew_close(&e.core);
   return plan;
 }
 

@@ -3,6 +3,7 @@
 // kernels, and row kernels' shapes. See emit_cuda.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "emit_cuda.h"
 #include "emit_cuda_impl.h"
 
@@ -138,9 +139,9 @@ void cu_kbegin(Emit *e, const char *role) {
   e->core.indent = 1;
   e->core.depth = 0;
   e->core.fresh = 0;
-  e->loop_ix = NULL;
-  e->post_anchor = e->cur_q = -1;
-  e->post_inloop = false;
+  e->core.loop_ix = NULL;
+  e->core.post_anchor = e->core.cur_q = -1;
+  e->core.post_inloop = false;
   e->lane = -1;
   e->nlst = 0;
   e->variant_of = -1;
@@ -242,27 +243,21 @@ const char *cu_sh_float(Emit *e) {
 // The inline evaluator.
 //
 
-// Reading node c at ix from memory: records reads that the chosen layout must allow.
-static void note_read(Emit *e, int c, const char *ix) {
-  bool at_post = e->post_anchor == c && strcmp(ix, e->post_ix) == 0;
-  if (e->core.in_step[c] && e->core.grp[c] >= 0 && !at_post && ec_offset(&e->core, c) < 0)
-    ec_flag(&e->core, e->core.spill, c);
-}
-
 // Is ix the index of the lane being written in a four-lane loop body, for a value of that loop's size
 // that the lanes load as one float4 (f32), or store as one float4 (f32) or ushort4 (bf16)?
 static bool lane_ix(const Emit *e, int c, const char *ix, bool storing) {
   DType dt = ec_node(&e->core, c)->dtype;
-  return e->lane >= 0 && (dt == DT_F32 || (storing && dt == DT_BF16)) && e->loop_ix && !strcmp(ix, e->loop_ix) &&
-         ec_numel(&e->core, c) == e->loop_n;
+  return e->lane >= 0 && (dt == DT_F32 || (storing && dt == DT_BF16)) && e->core.loop_ix &&
+         !strcmp(ix, e->core.loop_ix) && ec_numel(&e->core, c) == e->core.loop_n;
 }
 
 // Stores value v of node c at ix; in a four-lane body the lanes' stores become one vector store. A
 // CAST of this step to bf16 stores its input rounded (v is that rounding widened back).
-static void store(Emit *e, int c, const char *ix, const char *v) {
+void cu_store(EmitCore *core, int c, const char *ix, const char *v) {
+  Emit *e = (Emit *)core;
   const IrNode *nd = ec_node(&e->core, c);
   if (nd->op == OP_CAST && nd->dtype == DT_BF16 && e->core.in_step[c])
-    v = cu_val(e, nd->in[0], ix);
+    v = ew_val(&e->core, nd->in[0], ix);
   if (lane_ix(e, c, ix, true)) {
     ec_grow(&e->lst, e->nlst, &e->caplst, sizeof *e->lst);
     e->lst[e->nlst++] = (LaneStore){c, e->lane, v};
@@ -283,8 +278,8 @@ static void store(Emit *e, int c, const char *ix, const char *v) {
 // four-lane bodies, is a multiple of 4). GPT-2's qkv gradient: dq, dk, dv.
 static bool concat_lanes(Emit *e, int c, const char *ix) {
   const IrNode *nd = ec_node(&e->core, c);
-  if (nd->op != OP_CONCAT || e->lane < 0 || !e->loop_ix || strcmp(ix, e->loop_ix) ||
-      ec_numel(&e->core, c) != e->loop_n || ec_has_target(&e->core, c) || !ec_concat_direct(&e->core, c))
+  if (nd->op != OP_CONCAT || e->lane < 0 || !e->core.loop_ix || strcmp(ix, e->core.loop_ix) ||
+      ec_numel(&e->core, c) != e->core.loop_n || ec_has_target(&e->core, c) || !ec_concat_direct(&e->core, c))
     return false;
   int ax = (int)nd->ia[0];
   int64_t inner = ec_span(nd->shape, ax + 1, nd->shape.rank);
@@ -296,67 +291,48 @@ static bool concat_lanes(Emit *e, int c, const char *ix) {
   return fours;
 }
 
-// The value of node n at flat index ix, as an expression; emits what computes it. A step output met
-// at the current loop's own index is stored on the way. In a four-lane body, a value in memory read
-// at the lane's own index comes from one float4 load shared by the four lanes (so do a CONCAT's
-// parts, concat_lanes).
-const char *cu_val(Emit *e, int n, const char *ix) {
-  int c = ec_canon(&e->core, n);
-  const IrNode *nd = ec_node(&e->core, c);
-  if (nd->op == OP_CONST)
-    return nd->dtype == DT_I32 ? ec_ilit(&e->core, nd->fa[0]) : cu_flit(e, nd->fa[0]);
-  if (ec_numel(&e->core, c) == 1)
-    ix = "0";
-  const char *hit = ec_memo_get(&e->core, c, ix);
-  if (hit)
-    return hit;
-  const char *name = ec_str(&e->core, "v%d", ++e->core.fresh);
-  if (ec_in_memory(&e->core, c)) {
-    note_read(e, c, ix);
-    if (lane_ix(e, c, ix, false)) {
-      const char *q = ec_memo_get(&e->core, c, "float4");
-      if (!q) {
-        q = ec_str(&e->core, "f%d", ++e->core.fresh);
-        ec_line(&e->core, "const float4 %s = reinterpret_cast<const float4 *>(%s)[q];", q, cu_ptr(e, c));
-        ec_memo_put(&e->core, c, "float4", q);
-      }
-      name = ec_str(&e->core, "%s.%c", q, "xyzw"[e->lane]);
-    } else {
-      ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name,
-              ec_load(&e->core, c, ec_str(&e->core, "%s[%s]", cu_ptr(e, c), ix)));
-    }
-  } else if (e->core.in_step[c] && concat_lanes(e, c, ix)) {
-    const char *q = ec_memo_get(&e->core, c, "float4");
-    if (!q) {
-      q = ec_str(&e->core, "f%d", ++e->core.fresh);
-      ec_line(&e->core, "const float4 %s = *(const float4 *)%s;", q, ec_concat_ptr(&e->core, c, "i0"));
-      ec_memo_put(&e->core, c, "float4", q);
-    }
-    name = ec_str(&e->core, "%s.%c", q, "xyzw"[e->lane]);
-  } else if (e->core.in_step[c] && ec_is_pointwise(nd->op)) {
-    const char *expr = ec_pointwise_expr(&e->core, c, ix);
-    ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name, expr);
-    bool own = e->loop_ix && ec_numel(&e->core, c) == e->loop_n && (strcmp(ix, e->loop_ix) == 0 || e->loop_n == 1);
-    if (ec_has_target(&e->core, c) && !e->core.stored[c] && own) {
-      store(e, c, ix, name);
-      e->core.stored[c] = true;
-      e->core.phase_nodes[e->core.nphase++] = c;
-    }
-  } else if (e->core.in_step[c] && e->core.grp[c] >= 0) {
-    // An anchor of this step that is not in memory (yet): read inside its own kernel at another
-    // index, or after it while only a local existed. Flag it; the next pass lays it out.
-    if (e->post_inloop && e->post_anchor == c && e->cur_q >= 0)
-      ec_flag(&e->core, e->core.post_bad, e->cur_q);
+// In a four-lane body, a value in memory read at the lane's own index comes from one float4 load
+// shared by the four lanes, and so do a CONCAT's parts (concat_lanes).
+const char *cu_lanes(EmitCore *core, int c, const char *ix) {
+  Emit *e = (Emit *)core;
+  bool mem = ec_in_memory(core, c);
+  if (mem ? !lane_ix(e, c, ix, false) : !concat_lanes(e, c, ix))
+    return NULL;
+  const char *q = ec_memo_get(core, c, "float4");
+  if (!q) {
+    q = ec_str(core, "f%d", ++core->fresh);
+    if (mem)
+      ec_line(core, "const float4 %s = reinterpret_cast<const float4 *>(%s)[q];", q, cu_ptr(e, c));
     else
-      ec_flag(&e->core, e->core.spill, c);
-    return "0.0f";
-  } else {
-    ec_fail(&e->core, "step %s reads node %d (%s), which no earlier step wrote", e->core.f->steps[e->core.si].name, c,
-            op_name(nd->op));
-    return "0";
+      ec_line(core, "const float4 %s = *(const float4 *)%s;", q, ec_concat_ptr(core, c, "i0"));
+    ec_memo_put(core, c, "float4", q);
   }
-  ec_memo_put(&e->core, c, ix, name);
-  return name;
+  return ec_str(core, "%s.%c", q, "xyzw"[e->lane]);
+}
+
+// A local's name: v and a number, fresh in the kernel.
+const char *cu_local(EmitCore *core, int c, const char *ix) {
+  (void)c, (void)ix;
+  return ec_str(core, "v%d", ++core->fresh);
+}
+
+const char *cu_base(EmitCore *core, int n) { return cu_ptr((Emit *)core, n); }
+
+// The step's seed is read from device memory, where the runtime writes it before each step: a
+// captured graph replays its launches' arguments as they were, so a seed passed by value would
+// repeat the first step's dropout masks in every step.
+const char *cu_seed(EmitCore *core) {
+  (void)core;
+  return "(*seed)";
+}
+
+// A CAST to fp8: its tensor's scale and amax in the arena's fp8 region (CudaPlan.fp8).
+const char *cu_fp8_cast(EmitCore *core, const IrNode *cast, const char *x) {
+  const Emit *e = (const Emit *)core;
+  int64_t t = cast->ia[1], n = core->g->nfp8;
+  return ec_str(core, "mdl_cast_%s(%s, (const float *)(arena + %lld), (unsigned *)(arena + %lld))",
+                cast->ia[0] == DT_F8E5M2 ? "e5m2" : "e4m3", x, (long long)(e->fp8 + 4 * t),
+                (long long)(e->fp8 + 8 * n + 4 * t));
 }
 
 //
@@ -396,7 +372,8 @@ void cu_flush_lanes(Emit *e) {
 
 // One elementwise kernel over `n` elements writing nodes[0..k) (all of that size), grid-stride, four
 // elements per thread when n is a multiple of 4. post_anchor names the GEMM whose epilogue this is.
-void cu_pw_loop(Emit *e, const int *nodes, int k, int64_t n, int post_anchor, const char *role) {
+void cu_pw_loop(EmitCore *core, const int *nodes, int k, int64_t n, int post_anchor, const char *role) {
+  Emit *e = (Emit *)core;
   ec_phase_begin(&e->core);
   cu_kbegin(e, role);
   bool vec = n % 4 == 0;
@@ -405,9 +382,9 @@ void cu_pw_loop(Emit *e, const int *nodes, int k, int64_t n, int post_anchor, co
   cu_note(e, "elementwise over %lld%s: %s", (long long)n, vec ? ", 4 per thread" : "", op_list(e, nodes, k));
   ec_enter(&e->core, "for (%s q = blockIdx.x * blockDim.x + threadIdx.x; q < %lld; q += gridDim.x * blockDim.x)",
            e->core.ixt, (long long)work);
-  e->post_anchor = post_anchor;
-  e->post_inloop = false;
-  e->loop_n = n;
+  e->core.post_anchor = post_anchor;
+  e->core.post_inloop = false;
+  e->core.loop_n = n;
   if (vec) {
     ec_line(&e->core, "const %s i0 = 4 * q;", e->core.ixt);
     for (int lane = 1; lane < 4; lane++)
@@ -421,51 +398,18 @@ void cu_pw_loop(Emit *e, const int *nodes, int k, int64_t n, int post_anchor, co
     for (int i = mark; i < e->core.nphase; i++)
       e->core.stored[e->core.phase_nodes[i]] = false;
     e->core.nphase = mark;
-    e->loop_ix = ix;
-    e->post_ix = ix;
-    for (int t = 0; t < k; t++) {
-      e->cur_q = nodes[t];
-      const char *v = cu_val(e, nodes[t], ix);
-      if (!e->core.stored[nodes[t]]) {
-        store(e, nodes[t], ix, v);
-        e->core.stored[nodes[t]] = true;
-        e->core.phase_nodes[e->core.nphase++] = nodes[t];
-      }
-    }
+    e->core.loop_ix = ix;
+    e->core.post_ix = ix;
+    ew_pw_values(&e->core, nodes, k, ix);
   }
   cu_flush_lanes(e);
   e->lane = -1;
   ec_leave(&e->core);
-  e->loop_ix = NULL;
-  e->post_anchor = -1;
-  e->cur_q = -1;
+  e->core.loop_ix = NULL;
+  e->core.post_anchor = -1;
+  e->core.cur_q = -1;
   cu_kend(e, cu_grid_for(work, block), block);
   ec_phase_end(&e->core);
-}
-
-// Elementwise kernels for a list of nodes, one per distinct size, in order of first appearance.
-void cu_pw_loops(Emit *e, const int *nodes, int k, int post_anchor, const char *role) {
-  bool *done = ec_xcalloc((size_t)k, sizeof *done);
-  int *same = ec_xcalloc((size_t)k, sizeof *same);
-  for (int t = 0; t < k; t++) {
-    if (done[t])
-      continue;
-    int ns = 0;
-    for (int u = t; u < k; u++)
-      if (!done[u] && ec_numel(&e->core, nodes[u]) == ec_numel(&e->core, nodes[t])) {
-        same[ns++] = nodes[u];
-        done[u] = true;
-      }
-    cu_pw_loop(e, same, ns, ec_numel(&e->core, nodes[t]), post_anchor, role);
-  }
-  free(done);
-  free(same);
-}
-
-void cu_flush(Emit *e) {
-  if (e->core.npending)
-    cu_pw_loops(e, e->core.pending, e->core.npending, -1, "prep");
-  e->core.npending = 0;
 }
 
 // n's rows (last axis) in memory: n itself, or a SLICE of the last axis of a tensor in memory (q, k,
@@ -481,36 +425,6 @@ Rows cu_rows_of(Emit *e, int n) {
 // The pointer expression of a Rows in the current kernel.
 const char *cu_rows_base(Emit *e, Rows r) {
   return r.at ? ec_str(&e->core, "(%s + %lld)", cu_ptr(e, r.node), (long long)r.at) : cu_ptr(e, r.node);
-}
-
-// Evaluates the post outputs inside the anchor's own kernel, where the anchor's value at index ix is
-// the expression y.
-void cu_post_inloop(Emit *e, int anchor, const int *q, int nq, const char *ix, int64_t n, const char *y) {
-  e->loop_ix = ix;
-  e->loop_n = n;
-  e->post_anchor = anchor;
-  e->post_ix = ix;
-  e->post_inloop = true;
-  ec_memo_put(&e->core, anchor, ec_numel(&e->core, anchor) == 1 ? "0" : ix, y);
-  for (int t = 0; t < nq; t++) {
-    e->cur_q = q[t];
-    cu_val(e, q[t], ix);
-  }
-  e->post_anchor = -1;
-  e->post_inloop = false;
-  e->cur_q = -1;
-}
-
-// The output buffer of a row-wise or reducing anchor: whole (arena slot or scratch) when it is an
-// output or read at other indices; otherwise only a local exists.
-bool cu_whole(Emit *e, int a) {
-  if (ec_offset(&e->core, a) >= 0)
-    return true;
-  if (e->core.spill[a]) {
-    e->core.scratch[a] = true;
-    return true;
-  }
-  return false;
 }
 
 //

@@ -2,6 +2,7 @@
 // Lion, over every parameter in one launch). See emit_cuda.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "emit_cuda.h"
 #include "emit_cuda_impl.h"
 
@@ -43,7 +44,8 @@ static void seg_table(Emit *e, const char *name, int nseg, const int (*nodes)[5]
 // GRAD_NORM (a sum of squares per fixed chunk of the concatenated gradients, then one block adding the
 // chunks in order) and the updates (AdamW, SGD or Lion) over tables of parameter segments, in double
 // per element like the interpreter; p and its moments in place.
-void cu_emit_optimizer(Emit *e, int gi) {
+void cu_emit_optimizer(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   for (int i = 0; i < gr->nmem; i++)
     if (ec_node(&e->core, gr->mem[i])->op == OP_GRAD_NORM) {
@@ -59,7 +61,7 @@ void cu_emit_optimizer(Emit *e, int gi) {
       if (nd->in[k] != opt_gnorm(nd) || e->core.grp[ec_canon(&e->core, opt_gnorm(nd))] != gi)
         ec_need(&e->core, nd->in[k]);
   }
-  cu_flush(e);
+  ew_flush(&e->core);
   ec_phase_begin(&e->core);
   for (int i = 0; i < gr->nmem; i++) {
     const IrNode *nd = ec_node(&e->core, gr->mem[i]);

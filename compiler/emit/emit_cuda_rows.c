@@ -2,6 +2,7 @@
 // softmax, embed and its backward, rope, masks). See emit_cuda.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "emit_cuda.h"
 #include "emit_cuda_impl.h"
 
@@ -43,13 +44,13 @@ static void row_load(Emit *e, const RowShape *rs, int x, const char *name, int64
     ec_line(&e->core, "%s[t] = 0.0f;", name);
     ec_enter(&e->core, "if (j < %lld)", (long long)cols);
     ec_line(&e->core, "const %s ix = r * %lld + j;", e->core.ixt, (long long)cols);
-    const char *save = e->loop_ix;
-    int64_t save_n = e->loop_n;
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
-    ec_line(&e->core, "%s[t] = %s;", name, cu_val(e, x, "ix"));
-    e->loop_ix = save;
-    e->loop_n = save_n;
+    const char *save = e->core.loop_ix;
+    int64_t save_n = e->core.loop_n;
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, x);
+    ec_line(&e->core, "%s[t] = %s;", name, ew_val(&e->core, x, "ix"));
+    e->core.loop_ix = save;
+    e->core.loop_n = save_n;
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
@@ -142,127 +143,100 @@ static void accumulate(Emit *e, bool max) {
     ec_line(&e->core, "acc += v;");
 }
 
-// Output r of a reduction from its accumulator: stored, then the outputs computed after it.
-static void reduce_finish(Emit *e, int a, bool buf, const int *q, int nq) {
-  const IrNode *nd = ec_node(&e->core, a);
-  int64_t len = ec_node(&e->core, nd->in[0])->shape.d[nd->ia[0]];
-  if (nd->op == OP_MEAN)
-    ec_line(&e->core, "const float y = (float)(acc / %lld);", (long long)len);
-  else if (nd->op == OP_TARGET_COUNT)
-    ec_line(&e->core, "const float y = (float)(acc > 1.0 ? acc : 1.0);");
-  else
-    ec_line(&e->core, "const float y = (float)acc;");
-  if (buf)
-    ec_line(&e->core, "%s[r] = y;", cu_ptr(e, a));
-  cu_post_inloop(e, a, q, nq, "r", ec_numel(&e->core, a), "y");
-}
-
 // SUM / MEAN / MAX over one axis (the input as [outer, len, inner]), the input computed inline;
 // TARGET_COUNT as a sum over all its targets of 1 for each counted one. Contiguous rows: a warp per
 // output (a thread when rows are short); few long rows: per-block partials, then a warp per output
 // adds them. Strided: a thread per output, or, for long axes, partials per block of the axis added in
 // block order.
-void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
-  int a = e->core.groups[gi].mem[0];
-  const IrNode *nd = ec_node(&e->core, a);
-  int x = nd->in[0];
-  Shape s = ec_node(&e->core, x)->shape;
-  if (nd->op == OP_TARGET_COUNT) // (over every target)
-    s = (Shape){.rank = 1, .d = {ec_numel(&e->core, x)}};
-  int ax = (int)nd->ia[0];
-  int64_t outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank), on = outer * inner;
-  bool max = nd->op == OP_MAX, buf = cu_whole(e, a);
-  int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, on, emitted, q);
-  int *side = ec_xcalloc((size_t)e->core.g->n, sizeof *side);
-  int nside = ec_side_set(&e->core, gi, ec_numel(&e->core, x), emitted, side);
-  const char *acc_t = max ? "float" : "double", *init = max ? "-MDL_INF" : "0.0", *ixt = e->core.ixt;
-  const char *what = op_name(nd->op);
-  ec_phase_begin(&e->core);
-  bool two = inner == 1 ? on < 128 && len >= 32768 : len >= 128 && on <= 65536;
-  if (!two && (inner > 1 || len <= 32)) {
+void cu_emit_reduce(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
+  EwReduce rd;
+  ew_reduce_open(&e->core, gi, &rd);
+  const char *init = rd.max ? "-MDL_INF" : "0.0", *ixt = e->core.ixt, *what = op_name(rd.nd->op);
+  bool two = rd.inner == 1 ? rd.on < 128 && rd.len >= 32768 : rd.len >= 128 && rd.on <= 65536;
+  if (!two && (rd.inner > 1 || rd.len <= 32)) {
     cu_kbegin(e, "");
-    cu_note(e, "%s: %lld outputs over %lld elements, a thread per output", what, (long long)on, (long long)len);
+    cu_note(e, "%s: %lld outputs over %lld elements, a thread per output", what, (long long)rd.on, (long long)rd.len);
     ec_enter(&e->core, "for (%s r = blockIdx.x * blockDim.x + threadIdx.x; r < %lld; r += gridDim.x * blockDim.x)", ixt,
-             (long long)on);
-    if (inner == 1)
-      ec_line(&e->core, "const %s base = r * %lld;", ixt, (long long)len);
+             (long long)rd.on);
+    if (rd.inner == 1)
+      ec_line(&e->core, "const %s base = r * %lld;", ixt, (long long)rd.len);
     else
-      ec_line(&e->core, "const %s base = r / %lld * %lld + r %% %lld;", ixt, (long long)inner, (long long)(len * inner),
-              (long long)inner);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
-    ec_enter(&e->core, "for (%s l = 0; l < %lld; l++)", ixt, (long long)len);
+      ec_line(&e->core, "const %s base = r / %lld * %lld + r %% %lld;", ixt, (long long)rd.inner,
+              (long long)(rd.len * rd.inner), (long long)rd.inner);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
+    ec_enter(&e->core, "for (%s l = 0; l < %lld; l++)", ixt, (long long)rd.len);
     ec_line(&e->core, "const %s ix = base + l%s;", ixt,
-            inner == 1 ? "" : ec_str(&e->core, " * %lld", (long long)inner));
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
-    ec_reduce_input(&e->core, a, side, nside);
-    accumulate(e, max);
+            rd.inner == 1 ? "" : ec_str(&e->core, " * %lld", (long long)rd.inner));
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, rd.x);
+    ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
-    reduce_finish(e, a, buf, q, nq);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
-    cu_kend(e, cu_grid_for(on, cu_block_for(on)), cu_block_for(on));
+    cu_kend(e, cu_grid_for(rd.on, cu_block_for(rd.on)), cu_block_for(rd.on));
   } else if (!two) {
     cu_kbegin(e, "");
-    cu_note(e, "%s: %lld outputs over %lld elements, a warp per output", what, (long long)on, (long long)len);
+    cu_note(e, "%s: %lld outputs over %lld elements, a warp per output", what, (long long)rd.on, (long long)rd.len);
     ec_line(&e->core, "const %s r = blockIdx.x * %d + (threadIdx.x >> 5);", ixt, BLOCK / 32);
     ec_line(&e->core, "const int lane = threadIdx.x & 31;");
-    ec_enter(&e->core, "if (r < %lld)", (long long)on);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
-    ec_enter(&e->core, "for (%s l = lane; l < %lld; l += 32)", ixt, (long long)len);
-    ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)len);
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
-    ec_reduce_input(&e->core, a, side, nside);
-    accumulate(e, max);
+    ec_enter(&e->core, "if (r < %lld)", (long long)rd.on);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
+    ec_enter(&e->core, "for (%s l = lane; l < %lld; l += 32)", ixt, (long long)rd.len);
+    ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)rd.len);
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, rd.x);
+    ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
-    ec_line(&e->core, "acc = %s(acc);", max ? "mdl_warp_max_nan" : "mdl_warp_sum");
+    ec_line(&e->core, "acc = %s(acc);", rd.max ? "mdl_warp_max_nan" : "mdl_warp_sum");
     ec_enter(&e->core, "if (lane == 0)");
-    reduce_finish(e, a, buf, q, nq);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
     ec_leave(&e->core);
-    cu_kend(e, (on + BLOCK / 32 - 1) / (BLOCK / 32), BLOCK);
-  } else if (inner == 1) {
-    int64_t bl = 8192, nb = (len + bl - 1) / bl;
-    int64_t part = cu_scratch_alloc(e, on * nb * 8);
+    cu_kend(e, (rd.on + BLOCK / 32 - 1) / (BLOCK / 32), BLOCK);
+  } else if (rd.inner == 1) {
+    int64_t bl = 8192, nb = (rd.len + bl - 1) / bl;
+    int64_t part = cu_scratch_alloc(e, rd.on * nb * 8);
     cu_kbegin(e, "partial");
-    cu_note(e, "%s: %lld outputs over %lld elements, first %lld blocks of %lld per output", what, (long long)on,
-            (long long)len, (long long)nb, (long long)bl);
-    const char *p = cu_raw_ptr(e, part, acc_t, "partial results");
+    cu_note(e, "%s: %lld outputs over %lld elements, first %lld blocks of %lld per output", what, (long long)rd.on,
+            (long long)rd.len, (long long)nb, (long long)bl);
+    const char *p = cu_raw_ptr(e, part, rd.acc_t, "partial results");
     ec_line(&e->core, "const %s r = blockIdx.x / %lld, k = blockIdx.x %% %lld;", ixt, (long long)nb, (long long)nb);
     ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", ixt, (long long)bl,
-            (long long)bl, (long long)len, (long long)bl, (long long)bl, (long long)len);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
+            (long long)bl, (long long)rd.len, (long long)bl, (long long)bl, (long long)rd.len);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
     ec_enter(&e->core, "for (%s l = k * %lld + threadIdx.x; l < end; l += blockDim.x)", ixt, (long long)bl);
-    ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)len);
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
-    ec_reduce_input(&e->core, a, side, nside);
-    accumulate(e, max);
+    ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)rd.len);
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, rd.x);
+    ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
     ec_line(&e->core, "acc = %s;",
-            max ? ec_str(&e->core, "mdl_block_max_nan(acc, %s)", cu_sh_float(e))
+            rd.max ? ec_str(&e->core, "mdl_block_max_nan(acc, %s)", cu_sh_float(e))
                 : ec_str(&e->core, "mdl_block_sum(acc, %s)", cu_sh_double(e)));
     ec_line(&e->core, "if (threadIdx.x == 0)");
     ec_line(&e->core, "  %s[blockIdx.x] = acc;", p);
-    cu_kend(e, on * nb, BLOCK);
+    cu_kend(e, rd.on * nb, BLOCK);
     cu_kbegin(e, "");
     cu_note(e, "%s: the %lld partial results of each output added in order, a warp per output", what, (long long)nb);
-    p = cu_raw_ptr(e, part, acc_t, "partial results");
+    p = cu_raw_ptr(e, part, rd.acc_t, "partial results");
     ec_line(&e->core, "const %s r = blockIdx.x * %d + (threadIdx.x >> 5);", ixt, BLOCK / 32);
     ec_line(&e->core, "const int lane = threadIdx.x & 31;");
-    ec_enter(&e->core, "if (r < %lld)", (long long)on);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
+    ec_enter(&e->core, "if (r < %lld)", (long long)rd.on);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
     ec_enter(&e->core, "for (%s k = lane; k < %lld; k += 32)", ixt, (long long)nb);
-    ec_line(&e->core, "const %s v = %s[r * %lld + k];", acc_t, p, (long long)nb);
-    accumulate(e, max);
+    ec_line(&e->core, "const %s v = %s[r * %lld + k];", rd.acc_t, p, (long long)nb);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
-    ec_line(&e->core, "acc = %s(acc);", max ? "mdl_warp_max_nan" : "mdl_warp_sum");
+    ec_line(&e->core, "acc = %s(acc);", rd.max ? "mdl_warp_max_nan" : "mdl_warp_sum");
     ec_enter(&e->core, "if (lane == 0)");
-    reduce_finish(e, a, buf, q, nq);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
     ec_leave(&e->core);
-    cu_kend(e, (on + BLOCK / 32 - 1) / (BLOCK / 32), BLOCK);
+    cu_kend(e, (rd.on + BLOCK / 32 - 1) / (BLOCK / 32), BLOCK);
   } else {
     // About two threads per thread slot of an H100/H200 (132 SMs of 2048): a column sum is bound by
     // memory, and only many loads in flight keep it busy. Where the columns come in fours (inner a
@@ -270,34 +244,34 @@ void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
     // for the four (a four-lane body, as pw_loop's), and the axis is cut into 4 times the blocks:
     // each column still adds its rows in order, and GPT-2's gelu backward column partials, a float
     // a thread per load with the stores between, moved their 250 MB at 1.9 TB/s on an H200.
-    bool vec = inner % 4 == 0;
+    bool vec = rd.inner % 4 == 0;
     int64_t per = vec ? 4 : 1, goal = 262144 * per;
-    int64_t nb = goal / on < 1 ? 1 : goal / on;
-    if (nb > (len + 7) / 8)
-      nb = (len + 7) / 8;
-    int64_t bl = (len + nb - 1) / nb;
-    nb = (len + bl - 1) / bl;
-    int64_t part = cu_scratch_alloc(e, on * nb * 8), work = on / per * nb;
+    int64_t nb = goal / rd.on < 1 ? 1 : goal / rd.on;
+    if (nb > (rd.len + 7) / 8)
+      nb = (rd.len + 7) / 8;
+    int64_t bl = (rd.len + nb - 1) / nb;
+    nb = (rd.len + bl - 1) / bl;
+    int64_t part = cu_scratch_alloc(e, rd.on * nb * 8), work = rd.on / per * nb;
     cu_kbegin(e, "partial");
     // (sized for one wave of full SMs: 32 registers a thread, which ptxas meets with a 4-byte spill
     // where the four lanes' GELU backward took 37, 6 blocks of 256 an SM)
     e->min_blocks = vec && cu_block_for(work) == BLOCK ? FILL_SM : 0;
     cu_note(e, "%s: %lld outputs over %lld elements, first partial results over %lld blocks of %lld%s", what,
-            (long long)on, (long long)len, (long long)nb, (long long)bl, vec ? ", 4 outputs per thread" : "");
-    const char *p = cu_raw_ptr(e, part, acc_t, "partial results");
+            (long long)rd.on, (long long)rd.len, (long long)nb, (long long)bl, vec ? ", 4 outputs per thread" : "");
+    const char *p = cu_raw_ptr(e, part, rd.acc_t, "partial results");
     ec_enter(&e->core, "for (%s u = blockIdx.x * blockDim.x + threadIdx.x; u < %lld; u += gridDim.x * blockDim.x)", ixt,
              (long long)work);
-    ec_line(&e->core, "const %s k = u / %lld, r = u %% %lld%s;", ixt, (long long)(on / per), (long long)(on / per),
-            vec ? " * 4" : "");
-    ec_line(&e->core, "const %s base = r / %lld * %lld + r %% %lld;", ixt, (long long)inner, (long long)(len * inner),
-            (long long)inner);
+    ec_line(&e->core, "const %s k = u / %lld, r = u %% %lld%s;", ixt, (long long)(rd.on / per),
+            (long long)(rd.on / per), vec ? " * 4" : "");
+    ec_line(&e->core, "const %s base = r / %lld * %lld + r %% %lld;", ixt, (long long)rd.inner,
+            (long long)(rd.len * rd.inner), (long long)rd.inner);
     ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", ixt, (long long)bl,
-            (long long)bl, (long long)len, (long long)bl, (long long)bl, (long long)len);
-    e->loop_n = ec_numel(&e->core, x);
+            (long long)bl, (long long)rd.len, (long long)bl, (long long)bl, (long long)rd.len);
+    e->core.loop_n = ec_numel(&e->core, rd.x);
     if (vec) {
-      ec_line(&e->core, "%s acc0 = %s, acc1 = %s, acc2 = %s, acc3 = %s;", acc_t, init, init, init, init);
+      ec_line(&e->core, "%s acc0 = %s, acc1 = %s, acc2 = %s, acc3 = %s;", rd.acc_t, init, init, init, init);
       ec_enter(&e->core, "for (%s l = k * %lld; l < end; l++)", ixt, (long long)bl);
-      ec_line(&e->core, "const %s i0 = base + l * %lld;", ixt, (long long)inner);
+      ec_line(&e->core, "const %s i0 = base + l * %lld;", ixt, (long long)rd.inner);
       for (int lane = 1; lane < 4; lane++) // (each declaration on a line of its own: unused ones are dropped)
         ec_line(&e->core, "const %s i%d = i0 + %d;", ixt, lane, lane);
       ec_line(&e->core, "const %s q = i0 / 4; // the four lanes' float4", ixt);
@@ -308,12 +282,12 @@ void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
           e->core.stored[e->core.phase_nodes[i]] = false;
         e->core.nphase = mark;
         e->lane = lane;
-        e->loop_ix = ix;
-        const char *v = cu_val(e, x, ix);
-        for (int t = 0; t < nside; t++)
-          if (!e->core.stored[side[t]])
-            cu_val(e, side[t], ix);
-        if (max)
+        e->core.loop_ix = ix;
+        const char *v = ew_val(&e->core, rd.x, ix);
+        for (int t = 0; t < rd.nside; t++)
+          if (!e->core.stored[rd.side[t]])
+            ew_val(&e->core, rd.side[t], ix);
+        if (rd.max)
           ec_line(&e->core, "acc%d = mdl_max_nan(acc%d, %s);", lane, lane, v);
         else
           ec_line(&e->core, "acc%d += %s;", lane, v);
@@ -322,15 +296,15 @@ void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
       e->lane = -1;
       ec_leave(&e->core);
       for (int lane = 0; lane < 4; lane++)
-        ec_line(&e->core, "%s[k * %lld + r%s] = acc%d;", p, (long long)on,
+        ec_line(&e->core, "%s[k * %lld + r%s] = acc%d;", p, (long long)rd.on,
                 lane ? ec_str(&e->core, " + %d", lane) : "", lane);
     } else {
-      ec_line(&e->core, "%s acc = %s;", acc_t, init);
+      ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
       ec_enter(&e->core, "for (%s l = k * %lld; l < end; l++)", ixt, (long long)bl);
-      ec_line(&e->core, "const %s ix = base + l * %lld;", ixt, (long long)inner);
-      e->loop_ix = "ix";
-      ec_reduce_input(&e->core, a, side, nside);
-      accumulate(e, max);
+      ec_line(&e->core, "const %s ix = base + l * %lld;", ixt, (long long)rd.inner);
+      e->core.loop_ix = "ix";
+      ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+      accumulate(e, rd.max);
       ec_leave(&e->core);
       ec_line(&e->core, "%s[u] = acc;", p);
     }
@@ -338,35 +312,35 @@ void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
     cu_kend(e, cu_grid_for(work, BLOCK), cu_block_for(work));
     cu_kbegin(e, "");
     cu_note(e, "%s: the %lld partial results of each output added, a block per %d outputs in %d groups of rows",
-            what, (long long)nb, colsum_width(nb, on), colsum_block(nb) / colsum_width(nb, on));
-    p = cu_raw_ptr(e, part, acc_t, "partial results");
+            what, (long long)nb, colsum_width(nb, rd.on), colsum_block(nb) / colsum_width(nb, rd.on));
+    p = cu_raw_ptr(e, part, rd.acc_t, "partial results");
     const char *acc = "acc";
-    colsum_open(e, nb, on, &p, &acc, 1, max);
-    reduce_finish(e, a, buf, q, nq);
+    colsum_open(e, nb, rd.on, &p, &acc, 1, rd.max);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
-    cu_kend(e, colsum_grid(nb, on), colsum_block(nb));
+    cu_kend(e, colsum_grid(nb, rd.on), colsum_block(nb));
   }
-  e->loop_ix = NULL;
-  if (buf)
-    ec_phase_done(&e->core, a);
+  e->core.loop_ix = NULL;
+  if (rd.buf)
+    ec_phase_done(&e->core, rd.a);
   ec_phase_end(&e->core);
-  free(q);
-  free(side);
+  ew_reduce_close(&rd);
 }
 
 // LAYERNORM / RMSNORM forward, a warp (or block) per row, the row in registers; x (the residual sum)
 // computed inline.
-void cu_emit_norm_fwd(Emit *e, int gi, const bool *emitted) {
+void cu_emit_norm_fwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   bool ln = nd->op == OP_LAYERNORM;
   int64_t cols = ec_last_dim(&e->core, a), rows = ec_numel(&e->core, a) / cols;
   row_inline(e, nd->in[0]);
   int w = ec_need(&e->core, nd->in[1]), bias = ln ? ec_need(&e->core, nd->in[2]) : -1;
-  cu_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
-  bool buf = cu_whole(e, a);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), e->core.emitted, q);
+  bool buf = ew_whole(&e->core, a);
   RowShape rs = cu_row_shape(e, cols, rows, 32);
   ec_phase_begin(&e->core);
   cu_kbegin(e, "");
@@ -397,11 +371,11 @@ void cu_emit_norm_fwd(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const float y = (float)(xv[t] * sc * %s[j]);", cu_ptr(e, w));
   if (buf)
     ec_line(&e->core, "%s[ix] = y;", cu_ptr(e, a));
-  cu_post_inloop(e, a, q, nq, "ix", ec_numel(&e->core, a), "y");
+  ew_post_inloop(&e->core, a, q, nq, "ix", ec_numel(&e->core, a), "y");
   row_each_end(e);
   ec_leave(&e->core);
   cu_kend(e, rs.grid, rs.block);
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   if (buf)
     ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
@@ -463,7 +437,8 @@ static void norm_stage_row(Emit *e, const NormStage *st, const RowShape *rs, int
 // LAYERNORM_BWD / RMSNORM_BWD siblings: dx per row; dw (and db) as column sums: each row group
 // adds a fixed block of rows into per-column partials, then the column sums add the blocks in a fixed
 // order (colsum_open).
-void cu_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
+void cu_emit_norm_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
   bool ln = nd->op == OP_LAYERNORM_BWD;
@@ -473,10 +448,10 @@ void cu_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   row_inline(e, x);
   row_inline(e, dy);
   int w = dx >= 0 ? ec_need(&e->core, nd->in[1]) : -1; // (the weight scales dx only)
-  cu_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), emitted, q) : 0;
-  bool dxbuf = dx >= 0 && cu_whole(e, dx);
+  int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), e->core.emitted, q) : 0;
+  bool dxbuf = dx >= 0 && ew_whole(&e->core, dx);
   bool cols_sum = dw >= 0 || db >= 0 || nsum > 0;
   int64_t bl = cols_sum ? (rows + 1023) / 1024 : 1, nb = (rows + bl - 1) / bl;
   // A lane's column sums over its block's rows: in f32 over at most NORM_F32_ROWS rows (a row of 768
@@ -641,9 +616,9 @@ void cu_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     }
     if (dxbuf)
       ec_line(&e->core, "%s[ix] = d;", cu_ptr(e, dx));
-    cu_post_inloop(e, dx, q, nq, "ix", ec_numel(&e->core, dx), "d");
+    ew_post_inloop(&e->core, dx, q, nq, "ix", ec_numel(&e->core, dx), "d");
     for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "sa%d[t] += %s;", i, cu_val(e, ec_node(&e->core, sums[i])->in[0], "ix"));
+      ec_line(&e->core, "sa%d[t] += %s;", i, ew_val(&e->core, ec_node(&e->core, sums[i])->in[0], "ix"));
     row_each_end(e);
   }
   if (cols_sum) {
@@ -663,7 +638,7 @@ void cu_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   }
   ec_leave(&e->core);
   cu_kend(e, rs.grid, rs.block);
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   if (cols_sum) {
     cu_kbegin(e, "colsum");
     cu_note(e, "%s: column sums of %lld blocks of rows, a block per %d columns in %d groups of rows", op_name(nd->op),
@@ -701,7 +676,8 @@ void cu_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
 }
 
 // SOFTMAX (x) or SOFTMAX_BWD (y, dy) over the last axis, a warp (or block) per row.
-void cu_emit_softmax(Emit *e, int gi, const bool *emitted) {
+void cu_emit_softmax(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   bool bwd = nd->op == OP_SOFTMAX_BWD;
@@ -709,10 +685,10 @@ void cu_emit_softmax(Emit *e, int gi, const bool *emitted) {
   row_inline(e, nd->in[0]);
   if (bwd)
     row_inline(e, nd->in[1]);
-  cu_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
-  bool buf = cu_whole(e, a);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), e->core.emitted, q);
+  bool buf = ew_whole(&e->core, a);
   RowShape rs = cu_row_shape(e, cols, rows, 32);
   ec_phase_begin(&e->core);
   cu_kbegin(e, "");
@@ -747,11 +723,11 @@ void cu_emit_softmax(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const float y = (float)(xv[t] / sum);");
   if (buf)
     ec_line(&e->core, "%s[ix] = y;", cu_ptr(e, a));
-  cu_post_inloop(e, a, q, nq, "ix", ec_numel(&e->core, a), "y");
+  ew_post_inloop(&e->core, a, q, nq, "ix", ec_numel(&e->core, a), "y");
   row_each_end(e);
   ec_leave(&e->core);
   cu_kend(e, rs.grid, rs.block);
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   if (buf)
     ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
@@ -760,12 +736,13 @@ void cu_emit_softmax(Emit *e, int gi, const bool *emitted) {
 
 // EMBED: rows of the table by id, four floats at a time when the width allows; a bad id is reported
 // and gives a row of zeros.
-void cu_emit_embed(Emit *e, int gi) {
+void cu_emit_embed(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = ec_node(&e->core, nd->in[0])->shape.d[0], c = ec_last_dim(&e->core, a), rows = ec_numel(&e->core, a) / c;
   int tab = ec_need(&e->core, nd->in[0]), ids = ec_need(&e->core, nd->in[1]);
-  cu_flush(e);
+  ew_flush(&e->core);
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   int w = c % 4 == 0 ? 4 : 1;
@@ -843,7 +820,7 @@ static void embed_store_groups(Emit *e, int a, const int *q, int nq, const char 
       ec_grow(&e->held, e->nheld, &e->capheld, sizeof *e->held);
       e->held[e->nheld++] = ec_str(&e->core, "%s[%s] = %s;", tp, ix, y);
     }
-    cu_post_inloop(e, a, q, nq, ix, ec_numel(&e->core, a), y);
+    ew_post_inloop(&e->core, a, q, nq, ix, ec_numel(&e->core, a), y);
     held_at[u + 1] = e->nheld;
   }
   e->defer = false;
@@ -861,17 +838,18 @@ static void embed_store_groups(Emit *e, int a, const int *q, int nq, const char 
   ec_leave(&e->core);
 }
 
-void cu_emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
+void cu_emit_embed_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = nd->shape.d[0], c = nd->shape.d[1], rows = ec_numel(&e->core, nd->in[0]);
   int ids = ec_need(&e->core, nd->in[0]), dy = ec_need(&e->core, nd->in[1]);
-  cu_flush(e);
+  ew_flush(&e->core);
   // The chain after it (a tied table's other gradient added, rule 7 of fuse.c) is computed as each
   // element of the table is stored; the table itself is stored only when something else reads it.
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
-  bool buf = cu_whole(e, a) || nq == 0;
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), e->core.emitted, q);
+  bool buf = ew_whole(&e->core, a) || nq == 0;
   if (buf && ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   int vr = EMBED_ROWS, ch = EMBED_CHUNK;
@@ -1017,7 +995,7 @@ void cu_emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
     embed_store_groups(e, a, q, nq, tp);
   }
   ec_leave(&e->core);
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   cu_kend(e, nvb * ncb, cb);
   if (buf)
     ec_phase_done(&e->core, a);
@@ -1026,14 +1004,15 @@ void cu_emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
 }
 
 // ROPE: a thread per (row, head, pair); the angle in double, as the interpreter takes it.
-void cu_emit_rope(Emit *e, int gi) {
+void cu_emit_rope(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = nd->shape;
   int64_t rows = s.d[0] * s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads, work = rows * heads * (d / 2);
   Rows x = cu_rows_of(e, nd->in[0]);
   int pos = ec_need(&e->core, nd->in[1]);
-  cu_flush(e);
+  ew_flush(&e->core);
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
@@ -1061,13 +1040,14 @@ void cu_emit_rope(Emit *e, int gi) {
 
 // ATTENTION_MASK ([doc]) -> [B or 1, 1, T, T]: 0 where query i may see key j (j <= i when causal,
 // i - j < window with a window, the same doc id with ids), -inf where not; a thread per element.
-void cu_emit_attn_mask(Emit *e, int gi) {
+void cu_emit_attn_mask(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t nt = nd->shape.d[3], work = ec_numel(&e->core, a);
   bool causal = nd->ia[0];
   int doc = nd->ia[1] ? ec_need(&e->core, nd->in[0]) : -1;
-  cu_flush(e);
+  ew_flush(&e->core);
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
@@ -1093,14 +1073,15 @@ void cu_emit_attn_mask(Emit *e, int gi) {
 }
 
 // MAX_BWD (x, y, dy): the gradient goes to the maxima, shared evenly between ties; a thread per output.
-void cu_emit_max_bwd(Emit *e, int gi) {
+void cu_emit_max_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = nd->shape;
   int ax = (int)nd->ia[0];
   int64_t outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank), on = outer * inner;
   int x = ec_need(&e->core, nd->in[0]), y = ec_need(&e->core, nd->in[1]), dy = ec_need(&e->core, nd->in[2]);
-  cu_flush(e);
+  ew_flush(&e->core);
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
@@ -1127,7 +1108,8 @@ void cu_emit_max_bwd(Emit *e, int gi) {
 
 // TOPK: a thread per line along the axis, the k first positions in TOPK's order found one by one (the
 // next is the first of those after the last one found), as the interpreter does.
-void cu_emit_topk(Emit *e, int gi) {
+void cu_emit_topk(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = ec_node(&e->core, nd->in[0])->shape;
@@ -1136,7 +1118,7 @@ void cu_emit_topk(Emit *e, int gi) {
   int64_t lines = outer * inner;
   int x = ec_need(&e->core, nd->in[0]);
   const char *t = e->core.ixt;
-  cu_flush(e);
+  ew_flush(&e->core);
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
@@ -1172,7 +1154,8 @@ void cu_emit_topk(Emit *e, int gi) {
 }
 
 // GATHER: a thread per output element; an index outside the axis reads 0.
-void cu_emit_gather(Emit *e, int gi) {
+void cu_emit_gather(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = nd->shape;
@@ -1180,7 +1163,7 @@ void cu_emit_gather(Emit *e, int gi) {
   int64_t n = ec_numel(&e->core, a), ylen = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
   int64_t xlen = ec_node(&e->core, nd->in[0])->shape.d[ax];
   int x = ec_need(&e->core, nd->in[0]), idx = ec_need(&e->core, nd->in[1]);
-  cu_flush(e);
+  ew_flush(&e->core);
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
@@ -1201,7 +1184,8 @@ void cu_emit_gather(Emit *e, int gi) {
 // SCATTER_ADD (base, idx, src) and GATHER_BWD (idx, src) over zeros: a thread per line along the axis,
 // its sources added in order (no atomics: no two threads add into one element, and every sum is in
 // the interpreter's order).
-void cu_emit_scatter(Emit *e, int gi) {
+void cu_emit_scatter(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   bool has_base = nd->op == OP_SCATTER_ADD;
@@ -1211,7 +1195,7 @@ void cu_emit_scatter(Emit *e, int gi) {
   int base = has_base ? ec_need(&e->core, nd->in[0]) : -1;
   int idx = ec_need(&e->core, nd->in[has_base]), src = ec_need(&e->core, nd->in[has_base + 1]);
   const char *t = e->core.ixt;
-  cu_flush(e);
+  ew_flush(&e->core);
   if (ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   ec_phase_begin(&e->core);
