@@ -3,6 +3,7 @@
 // (or the reference interpreter instead of the last three), and `-d LETTERS` prints the IR after
 // the passes it names (P: parse, A: autodiff, R: precision, F: fusion, M: memory plan).
 #include "backend.h"
+#include "emit_c.h"
 #include "cuda.h"
 #include "data.h"
 #include "emit_cuda.h"

@@ -63,7 +63,7 @@
 #include "mdl.h"
 #include "emit_common.h"
 #include "emit_walk.h"
-#include "backend.h"
+#include "emit_c.h"
 #include "emit_c_impl.h"
 
 #include <math.h>

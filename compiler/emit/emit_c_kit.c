@@ -3,7 +3,6 @@
 // operands widened to f32. See emit_c.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
-#include "backend.h"
 #include "emit_walk.h"
 #include "emit_c_impl.h"
 

@@ -33,6 +33,7 @@
 //     key) pairs the kernels compute (a window's, or T x S).
 #include "mdl.h"
 #include "backend.h"
+#include "emit_c.h"
 #include "emit_cuda.h"
 #include "runtime.h"
 #include "test.h"

@@ -34,6 +34,7 @@
 //     from the shapes), with budgets where the costliest-first order would choose other values.
 #include "mdl.h"
 #include "backend.h"
+#include "emit_c.h"
 #include "emit_cuda.h"
 #include "test.h"
 #include "cuda_emu_host.h"

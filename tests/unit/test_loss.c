@@ -20,6 +20,7 @@
 //  5. every module emitted here compiles with NVRTC for sm_90 where NVRTC is available.
 #include "mdl.h"
 #include "backend.h"
+#include "emit_c.h"
 #include "emit_cuda.h"
 #include "test.h"
 #include "cuda_emu_host.h"
