@@ -434,87 +434,107 @@ static void norm_stage_row(Emit *e, const NormStage *st, const RowShape *rs, int
   ec_line(&e->core, "mdl_cp_async_commit();");
 }
 
-// LAYERNORM_BWD / RMSNORM_BWD siblings: dx per row; dw (and db) as column sums: each row group
-// adds a fixed block of rows into per-column partials, then the column sums add the blocks in a fixed
-// order (colsum_open).
-void cu_emit_norm_bwd(EmitCore *core, int gi) {
-  Emit *e = (Emit *)core;
+// The state of a norm backward's emission (cu_emit_norm_bwd), shared by its steps.
+typedef struct {
+  const IrNode *nd;
+  bool ln;                           // LAYERNORM_BWD, else RMSNORM_BWD
+  int dx, dw, db, sums[EC_MAX_COLSUMS], nsum; // the members (ec_norm_members), -1 where absent
+  int x, dy, w;                      // the inputs (w: the weight, read by dx only, else -1)
+  int64_t cols, rows;
+  int *q, nq;                        // the outputs computed in dx's loop
+  bool dxbuf, cols_sum;              // dx is whole in memory; there are column sums (dw, db, sums)
+  int64_t bl, nb;                    // rows per block of column partials, blocks
+  const char *at;                    // the partials' type
+  int64_t pdw, pdb, psum[EC_MAX_COLSUMS]; // their scratch, or -1
+  RowShape rs;
+  const char *ixt;
+  NormStage st;                      // the rows staged in shared memory
+  const char *xv, *dyv;              // a thread's x and dy at element t (j)
+  const char *sw, *sb, *ss[EC_MAX_COLSUMS], *wp; // pointers of the first kernel
+} NormBwd;
+
+// The plan of group gi's norm backward: its members, its inputs made ready (ew_flush), the blocks of
+// rows of its column partials and their scratch, the row shape and what is staged.
+static void norm_bwd_plan(Emit *e, int gi, NormBwd *p) {
   const Group *gr = &e->core.groups[gi];
-  const IrNode *nd = ec_node(&e->core, gr->mem[0]);
-  bool ln = nd->op == OP_LAYERNORM_BWD;
-  int dx, dw, db, sums[EC_MAX_COLSUMS], nsum = ec_norm_members(&e->core, gi, &dx, &dw, &db, sums);
-  int x = nd->in[0], dy = nd->in[2];
-  int64_t cols = ec_last_dim(&e->core, x), rows = ec_numel(&e->core, x) / cols;
-  row_inline(e, x);
-  row_inline(e, dy);
-  int w = dx >= 0 ? ec_need(&e->core, nd->in[1]) : -1; // (the weight scales dx only)
+  p->nd = ec_node(&e->core, gr->mem[0]);
+  p->ln = p->nd->op == OP_LAYERNORM_BWD;
+  p->nsum = ec_norm_members(&e->core, gi, &p->dx, &p->dw, &p->db, p->sums);
+  p->x = p->nd->in[0], p->dy = p->nd->in[2];
+  p->cols = ec_last_dim(&e->core, p->x), p->rows = ec_numel(&e->core, p->x) / p->cols;
+  row_inline(e, p->x);
+  row_inline(e, p->dy);
+  p->w = p->dx >= 0 ? ec_need(&e->core, p->nd->in[1]) : -1; // (the weight scales dx only)
   ew_flush(&e->core);
-  int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), e->core.emitted, q) : 0;
-  bool dxbuf = dx >= 0 && ew_whole(&e->core, dx);
-  bool cols_sum = dw >= 0 || db >= 0 || nsum > 0;
-  int64_t bl = cols_sum ? (rows + 1023) / 1024 : 1, nb = (rows + bl - 1) / bl;
+  p->q = ec_xcalloc((size_t)e->core.g->n, sizeof *p->q);
+  p->nq = p->dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, p->dx), e->core.emitted, p->q) : 0;
+  p->dxbuf = p->dx >= 0 && ew_whole(&e->core, p->dx);
+  p->cols_sum = p->dw >= 0 || p->db >= 0 || p->nsum > 0;
+  p->bl = p->cols_sum ? (p->rows + 1023) / 1024 : 1, p->nb = (p->rows + p->bl - 1) / p->bl;
   // A lane's column sums over its block's rows: in f32 over at most NORM_F32_ROWS rows (a row of 768
   // takes 24 of them per lane and sum; double accumulators would spill registers), else in double.
   // The partials keep that type (an f32 sum stored as f32 loses nothing, in half the bytes: 9.4 MB
   // instead of 18.9 written and read back per GPT-2 norm backward) and are added in double.
-  const char *at = bl <= NORM_F32_ROWS ? "float" : "double";
-  int64_t psz = bl <= NORM_F32_ROWS ? 4 : 8;
-  int64_t pdw = dw >= 0 ? cu_scratch_alloc(e, nb * cols * psz) : -1;
-  int64_t pdb = db >= 0 ? cu_scratch_alloc(e, nb * cols * psz) : -1;
-  int64_t psum[EC_MAX_COLSUMS];
-  for (int i = 0; i < nsum; i++)
-    psum[i] = cu_scratch_alloc(e, nb * cols * psz);
+  p->at = p->bl <= NORM_F32_ROWS ? "float" : "double";
+  int64_t psz = p->bl <= NORM_F32_ROWS ? 4 : 8;
+  p->pdw = p->dw >= 0 ? cu_scratch_alloc(e, p->nb * p->cols * psz) : -1;
+  p->pdb = p->db >= 0 ? cu_scratch_alloc(e, p->nb * p->cols * psz) : -1;
+  for (int i = 0; i < p->nsum; i++)
+    p->psum[i] = cu_scratch_alloc(e, p->nb * p->cols * psz);
   // With column sums there are at most 1024 groups of rows (1024 partials per column), so a group gets
   // a block of threads (up to NORM_LANE_ELEMS elements per lane) rather than a warp: GPT-2's 8192 rows
   // of 768 are then 4096 warps of 6 elements a lane, not 1024 warps (128 blocks, under one wave on
   // 132 SMs) of 24 at 244 registers.
-  RowShape rs = cu_row_shape(e, cols, nb, cols_sum ? NORM_LANE_ELEMS : 32);
-  const char *ixt = e->core.ixt;
-  NormStage st = {0};
-  if (cols_sum && rs.tpr > 32 && bl > 1 && (dx >= 0 || dw >= 0))
-    st = norm_stage(e, x, dy, q, nq, cols);
+  p->rs = cu_row_shape(e, p->cols, p->nb, p->cols_sum ? NORM_LANE_ELEMS : 32);
+  p->ixt = e->core.ixt;
+  if (p->cols_sum && p->rs.tpr > 32 && p->bl > 1 && (p->dx >= 0 || p->dw >= 0))
+    p->st = norm_stage(e, p->x, p->dy, p->q, p->nq, p->cols);
   // A thread's x and dy at element t (j): in registers, or staged, in this row's buffers.
-  const char *xv = st.n ? "xs[j]" : "xv[t]", *dyv = st.n ? "dys[j]" : "dyv[t]";
-  ec_phase_begin(&e->core);
+  p->xv = p->st.n ? "xs[j]" : "xv[t]", p->dyv = p->st.n ? "dys[j]" : "dyv[t]";
+}
+
+// The first kernel: its partials' pointers, the row group's scope, its accumulators of column partials
+// and its loop over the block's rows, each row's x and dy loaded (or staged).
+static void norm_bwd_open(Emit *e, NormBwd *p) {
   cu_kbegin(e, "");
   // Each block's rows are a chain of loads and block reductions, so the kernel takes as long as its
   // waves of blocks: at most 64 registers a thread (32 warps an SM) puts GPT-2's 1024 blocks of 128
   // threads in one wave on 132 SMs, where the 72 that ptxas chose (sm_90) fitted 7 blocks an SM, 924.
-  if (cols_sum)
-    e->min_blocks = 1024 / rs.block;
-  cu_note(e, "%s: %lld rows of %lld, %s per row%s", op_name(nd->op), (long long)rows, (long long)cols,
-          cu_rs_who(e, &rs),
-          cols_sum ? ec_str(&e->core, "; column partials over %lld blocks of %lld rows", (long long)nb, (long long)bl)
-                   : "");
-  const char *sw = pdw >= 0 ? cu_raw_ptr(e, pdw, at, "dw partials") : NULL;
-  const char *sb = pdb >= 0 ? cu_raw_ptr(e, pdb, at, "db partials") : NULL, *ss[EC_MAX_COLSUMS];
-  for (int i = 0; i < nsum; i++)
-    ss[i] = cu_raw_ptr(e, psum[i], at, "column sum partials");
-  cu_rows_open(e, &rs, cols_sum ? "k" : "r");
-  if (cols_sum) {
-    if (sw)
-      ec_line(&e->core, "%s sw[%d] = {0};", at, rs.npl);
-    if (sb)
-      ec_line(&e->core, "%s sb[%d] = {0};", at, rs.npl);
-    for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "%s sa%d[%d] = {0};", at, i, rs.npl);
-    ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", ixt, (long long)bl,
-            (long long)bl, (long long)rows, (long long)bl, (long long)bl, (long long)rows);
-    if (st.n) {
+  if (p->cols_sum)
+    e->min_blocks = 1024 / p->rs.block;
+  cu_note(e, "%s: %lld rows of %lld, %s per row%s", op_name(p->nd->op), (long long)p->rows, (long long)p->cols,
+          cu_rs_who(e, &p->rs),
+          p->cols_sum ? ec_str(&e->core, "; column partials over %lld blocks of %lld rows", (long long)p->nb,
+                               (long long)p->bl)
+                      : "");
+  p->sw = p->pdw >= 0 ? cu_raw_ptr(e, p->pdw, p->at, "dw partials") : NULL;
+  p->sb = p->pdb >= 0 ? cu_raw_ptr(e, p->pdb, p->at, "db partials") : NULL;
+  for (int i = 0; i < p->nsum; i++)
+    p->ss[i] = cu_raw_ptr(e, p->psum[i], p->at, "column sum partials");
+  cu_rows_open(e, &p->rs, p->cols_sum ? "k" : "r");
+  if (p->cols_sum) {
+    if (p->sw)
+      ec_line(&e->core, "%s sw[%d] = {0};", p->at, p->rs.npl);
+    if (p->sb)
+      ec_line(&e->core, "%s sb[%d] = {0};", p->at, p->rs.npl);
+    for (int i = 0; i < p->nsum; i++)
+      ec_line(&e->core, "%s sa%d[%d] = {0};", p->at, i, p->rs.npl);
+    ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", p->ixt, (long long)p->bl,
+            (long long)p->bl, (long long)p->rows, (long long)p->bl, (long long)p->bl, (long long)p->rows);
+    if (p->st.n) {
       ec_line(&e->core, "// Rows by cp.async, two buffers: x, dy%s.",
-              st.n > 2 ? ", then what the chain after dx reads" : "");
-      ec_line(&e->core, "__shared__ __align__(16) float st[2][%d][%lld];", st.n, (long long)cols);
-      e->shared += (int)(2 * st.n * cols * 4);
-      norm_stage_row(e, &st, &rs, cols, "0", ec_str(&e->core, "k * %lld", (long long)bl));
+              p->st.n > 2 ? ", then what the chain after dx reads" : "");
+      ec_line(&e->core, "__shared__ __align__(16) float st[2][%d][%lld];", p->st.n, (long long)p->cols);
+      e->shared += (int)(2 * p->st.n * p->cols * 4);
+      norm_stage_row(e, &p->st, &p->rs, p->cols, "0", ec_str(&e->core, "k * %lld", (long long)p->bl));
     }
-    ec_enter(&e->core, "for (%s r = k * %lld; r < end; r++)", ixt, (long long)bl);
+    ec_enter(&e->core, "for (%s r = k * %lld; r < end; r++)", p->ixt, (long long)p->bl);
   }
-  if (st.n) {
-    ec_line(&e->core, "const int cur = (int)(r - k * %lld) & 1;", (long long)bl);
+  if (p->st.n) {
+    ec_line(&e->core, "const int cur = (int)(r - k * %lld) & 1;", (long long)p->bl);
     ec_line(&e->core, "__syncthreads(); // (every thread is done with the other buffer: the row before)");
     ec_enter(&e->core, "if (r + 1 < end)");
-    norm_stage_row(e, &st, &rs, cols, "cur ^ 1", "(r + 1)");
+    norm_stage_row(e, &p->st, &p->rs, p->cols, "cur ^ 1", "(r + 1)");
     cu_orelse(e);
     ec_line(&e->core, "mdl_cp_async_commit(); // (an empty group: the wait below is the same)");
     ec_leave(&e->core);
@@ -522,157 +542,186 @@ void cu_emit_norm_bwd(EmitCore *core, int gi) {
     ec_line(&e->core, "__syncthreads();");
     ec_line(&e->core, "const float *const xs = st[cur][0], *const dys = st[cur][1]; // (this row's)");
   } else {
-    if (dx >= 0 || dw >= 0) // (db alone reads dy only)
-      row_load(e, &rs, x, "xv", cols);
-    row_load(e, &rs, dy, "dyv", cols);
+    if (p->dx >= 0 || p->dw >= 0) // (db alone reads dy only)
+      row_load(e, &p->rs, p->x, "xv", p->cols);
+    row_load(e, &p->rs, p->dy, "dyv", p->cols);
   }
-  const char *wp = w >= 0 ? cu_ptr(e, w) : NULL;
+  p->wp = p->w >= 0 ? cu_ptr(e, p->w) : NULL;
+}
+
+// The row's statistics (and, without dx, dw's terms).
+static void norm_bwd_stats(Emit *e, const NormBwd *p) {
   // Layernorm: the mean, then one block reduction for the variance, mg and mgx together; rmsnorm:
   // one for its sum of squares and mgx. The sums that need the row's scale are taken without it and
   // scaled after (mgx = rstd sum g (x - mean)).
-  bool pair = rs.tpr > 32 && rs.tpr <= 512; // (block sums of up to 16 warps' sums at once)
-  if (dx < 0 && dw < 0) { // db alone needs no statistics
-    if (sb) {
-      row_each(e, &rs, cols);
-      ec_line(&e->core, "sb[t] += %s;", dyv);
+  bool pair = p->rs.tpr > 32 && p->rs.tpr <= 512; // (block sums of up to 16 warps' sums at once)
+  if (p->dx < 0 && p->dw < 0) { // db alone needs no statistics
+    if (p->sb) {
+      row_each(e, &p->rs, p->cols);
+      ec_line(&e->core, "sb[t] += %s;", p->dyv);
       row_each_end(e);
     }
-  } else if (ln) {
+  } else if (p->ln) {
     ec_line(&e->core, "double s = 0;");
     ec_line(&e->core, "#pragma unroll");
-    ec_line(&e->core, "for (int t = 0; t < %d; t++)", rs.npl);
-    if (st.n && cols % rs.tpr)
-      ec_line(&e->core, "  s += tr + t * %d < %lld ? xs[tr + t * %d] : 0.0f;", rs.tpr, (long long)cols, rs.tpr);
-    else if (st.n)
-      ec_line(&e->core, "  s += xs[tr + t * %d];", rs.tpr);
+    ec_line(&e->core, "for (int t = 0; t < %d; t++)", p->rs.npl);
+    if (p->st.n && p->cols % p->rs.tpr)
+      ec_line(&e->core, "  s += tr + t * %d < %lld ? xs[tr + t * %d] : 0.0f;", p->rs.tpr, (long long)p->cols,
+              p->rs.tpr);
+    else if (p->st.n)
+      ec_line(&e->core, "  s += xs[tr + t * %d];", p->rs.tpr);
     else
       ec_line(&e->core, "  s += xv[t];");
-    ec_line(&e->core, "const double mean = %s / %lld;", cu_rsum(e, &rs, "s"), (long long)cols);
-    ec_line(&e->core, "double var = 0%s;", dx >= 0 ? ", mg = 0, mgx = 0" : "");
-    row_each(e, &rs, cols);
-    ec_line(&e->core, "const double xm = %s - mean;", xv);
+    ec_line(&e->core, "const double mean = %s / %lld;", cu_rsum(e, &p->rs, "s"), (long long)p->cols);
+    ec_line(&e->core, "double var = 0%s;", p->dx >= 0 ? ", mg = 0, mgx = 0" : "");
+    row_each(e, &p->rs, p->cols);
+    ec_line(&e->core, "const double xm = %s - mean;", p->xv);
     ec_line(&e->core, "var += xm * xm;");
-    if (dx >= 0) {
-      ec_line(&e->core, "const double g = (double)%s * %s[j];", dyv, wp);
+    if (p->dx >= 0) {
+      ec_line(&e->core, "const double g = (double)%s * %s[j];", p->dyv, p->wp);
       ec_line(&e->core, "mg += g;");
       ec_line(&e->core, "mgx += g * xm;");
     }
-    if (sb)
-      ec_line(&e->core, "sb[t] += %s;", dyv);
+    if (p->sb)
+      ec_line(&e->core, "sb[t] += %s;", p->dyv);
     row_each_end(e);
-    if (dx >= 0 && pair)
+    if (p->dx >= 0 && pair)
       ec_line(&e->core, "mdl_block_sum3(var, mg, mgx, %s);", cu_sh_double(e));
-    else if (dx >= 0)
-      ec_line(&e->core, "var = %s, mg = %s, mgx = %s;", cu_rsum(e, &rs, "var"), cu_rsum(e, &rs, "mg"),
-              cu_rsum(e, &rs, "mgx"));
+    else if (p->dx >= 0)
+      ec_line(&e->core, "var = %s, mg = %s, mgx = %s;", cu_rsum(e, &p->rs, "var"), cu_rsum(e, &p->rs, "mg"),
+              cu_rsum(e, &p->rs, "mgx"));
     else
-      ec_line(&e->core, "var = %s;", cu_rsum(e, &rs, "var"));
-    ec_line(&e->core, "const double rstd = 1.0 / sqrt(var / %lld + %s);", (long long)cols,
-            ec_dlit(&e->core, nd->fa[0]));
-    if (dx >= 0) {
-      ec_line(&e->core, "mg /= %lld;", (long long)cols);
-      ec_line(&e->core, "mgx *= rstd / %lld; // the mean of g xhat", (long long)cols);
+      ec_line(&e->core, "var = %s;", cu_rsum(e, &p->rs, "var"));
+    ec_line(&e->core, "const double rstd = 1.0 / sqrt(var / %lld + %s);", (long long)p->cols,
+            ec_dlit(&e->core, p->nd->fa[0]));
+    if (p->dx >= 0) {
+      ec_line(&e->core, "mg /= %lld;", (long long)p->cols);
+      ec_line(&e->core, "mgx *= rstd / %lld; // the mean of g xhat", (long long)p->cols);
     }
-    if (sw && dx < 0) {
-      row_each(e, &rs, cols);
-      ec_line(&e->core, "sw[t] += (%s)(%s * ((%s - mean) * rstd));", at, dyv, xv);
+    if (p->sw && p->dx < 0) {
+      row_each(e, &p->rs, p->cols);
+      ec_line(&e->core, "sw[t] += (%s)(%s * ((%s - mean) * rstd));", p->at, p->dyv, p->xv);
       row_each_end(e);
     }
   } else {
-    ec_line(&e->core, "double s = 0%s;", dx >= 0 ? ", mgx = 0" : "");
-    row_each(e, &rs, cols);
-    ec_line(&e->core, "s += (double)%s * %s;", xv, xv);
-    if (dx >= 0)
-      ec_line(&e->core, "mgx += (double)%s * %s[j] * %s;", dyv, wp, xv);
+    ec_line(&e->core, "double s = 0%s;", p->dx >= 0 ? ", mgx = 0" : "");
+    row_each(e, &p->rs, p->cols);
+    ec_line(&e->core, "s += (double)%s * %s;", p->xv, p->xv);
+    if (p->dx >= 0)
+      ec_line(&e->core, "mgx += (double)%s * %s[j] * %s;", p->dyv, p->wp, p->xv);
     row_each_end(e);
-    if (dx >= 0 && pair)
+    if (p->dx >= 0 && pair)
       ec_line(&e->core, "mdl_block_sum2(s, mgx, %s);", cu_sh_double(e));
-    else if (dx >= 0)
-      ec_line(&e->core, "s = %s, mgx = %s;", cu_rsum(e, &rs, "s"), cu_rsum(e, &rs, "mgx"));
+    else if (p->dx >= 0)
+      ec_line(&e->core, "s = %s, mgx = %s;", cu_rsum(e, &p->rs, "s"), cu_rsum(e, &p->rs, "mgx"));
     else
-      ec_line(&e->core, "s = %s;", cu_rsum(e, &rs, "s"));
-    ec_line(&e->core, "const double sc = 1.0 / sqrt(s / %lld + %s);", (long long)cols, ec_dlit(&e->core, nd->fa[0]));
-    if (dx >= 0)
-      ec_line(&e->core, "mgx /= %lld;", (long long)cols);
-    if (sw && dx < 0) {
-      row_each(e, &rs, cols);
-      ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", at, dyv, xv);
+      ec_line(&e->core, "s = %s;", cu_rsum(e, &p->rs, "s"));
+    ec_line(&e->core, "const double sc = 1.0 / sqrt(s / %lld + %s);", (long long)p->cols,
+            ec_dlit(&e->core, p->nd->fa[0]));
+    if (p->dx >= 0)
+      ec_line(&e->core, "mgx /= %lld;", (long long)p->cols);
+    if (p->sw && p->dx < 0) {
+      row_each(e, &p->rs, p->cols);
+      ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", p->at, p->dyv, p->xv);
       row_each_end(e);
     }
   }
-  if (dx >= 0) {
-    row_each(e, &rs, cols);
-    for (int k = 2; k < st.n; k++) // (the chain reads these from their rows in shared memory)
-      ec_memo_put(&e->core, st.node[k], "ix", ec_str(&e->core, "st[cur][%d][j]", k));
-    if (ln) {
-      ec_line(&e->core, "const double xhat = (%s - mean) * rstd;", xv);
-      if (sw)
-        ec_line(&e->core, "sw[t] += (%s)(%s * xhat);", at, dyv);
-      ec_line(&e->core, "const float d = (float)(rstd * ((double)%s * %s[j] - mg - xhat * mgx));", dyv, wp);
+}
+
+// dx by row (with the outputs computed after it, and the column sums' terms), then the partials stored,
+// and the first kernel closed.
+static void norm_bwd_dx(Emit *e, const NormBwd *p) {
+  if (p->dx >= 0) {
+    row_each(e, &p->rs, p->cols);
+    for (int k = 2; k < p->st.n; k++) // (the chain reads these from their rows in shared memory)
+      ec_memo_put(&e->core, p->st.node[k], "ix", ec_str(&e->core, "st[cur][%d][j]", k));
+    if (p->ln) {
+      ec_line(&e->core, "const double xhat = (%s - mean) * rstd;", p->xv);
+      if (p->sw)
+        ec_line(&e->core, "sw[t] += (%s)(%s * xhat);", p->at, p->dyv);
+      ec_line(&e->core, "const float d = (float)(rstd * ((double)%s * %s[j] - mg - xhat * mgx));", p->dyv, p->wp);
     } else {
-      if (sw)
-        ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", at, dyv, xv);
-      ec_line(&e->core, "const float d = (float)(sc * %s * %s[j] - sc * sc * sc * %s * mgx);", dyv, wp, xv);
+      if (p->sw)
+        ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", p->at, p->dyv, p->xv);
+      ec_line(&e->core, "const float d = (float)(sc * %s * %s[j] - sc * sc * sc * %s * mgx);", p->dyv, p->wp, p->xv);
     }
-    if (dxbuf)
-      ec_line(&e->core, "%s[ix] = d;", cu_ptr(e, dx));
-    ew_post_inloop(&e->core, dx, q, nq, "ix", ec_numel(&e->core, dx), "d");
-    for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "sa%d[t] += %s;", i, ew_val(&e->core, ec_node(&e->core, sums[i])->in[0], "ix"));
+    if (p->dxbuf)
+      ec_line(&e->core, "%s[ix] = d;", cu_ptr(e, p->dx));
+    ew_post_inloop(&e->core, p->dx, p->q, p->nq, "ix", ec_numel(&e->core, p->dx), "d");
+    for (int i = 0; i < p->nsum; i++)
+      ec_line(&e->core, "sa%d[t] += %s;", i, ew_val(&e->core, ec_node(&e->core, p->sums[i])->in[0], "ix"));
     row_each_end(e);
   }
-  if (cols_sum) {
+  if (p->cols_sum) {
     ec_leave(&e->core);
     ec_line(&e->core, "#pragma unroll");
-    ec_enter(&e->core, "for (int t = 0; t < %d; t++)", rs.npl);
-    ec_line(&e->core, "const %s j = tr + t * %d;", ixt, rs.tpr);
-    ec_enter(&e->core, "if (j < %lld)", (long long)cols);
-    if (sw)
-      ec_line(&e->core, "%s[k * %lld + j] = sw[t];", sw, (long long)cols);
-    if (sb)
-      ec_line(&e->core, "%s[k * %lld + j] = sb[t];", sb, (long long)cols);
-    for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "%s[k * %lld + j] = sa%d[t];", ss[i], (long long)cols, i);
+    ec_enter(&e->core, "for (int t = 0; t < %d; t++)", p->rs.npl);
+    ec_line(&e->core, "const %s j = tr + t * %d;", p->ixt, p->rs.tpr);
+    ec_enter(&e->core, "if (j < %lld)", (long long)p->cols);
+    if (p->sw)
+      ec_line(&e->core, "%s[k * %lld + j] = sw[t];", p->sw, (long long)p->cols);
+    if (p->sb)
+      ec_line(&e->core, "%s[k * %lld + j] = sb[t];", p->sb, (long long)p->cols);
+    for (int i = 0; i < p->nsum; i++)
+      ec_line(&e->core, "%s[k * %lld + j] = sa%d[t];", p->ss[i], (long long)p->cols, i);
     ec_leave(&e->core);
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
-  cu_kend(e, rs.grid, rs.block);
+  cu_kend(e, p->rs.grid, p->rs.block);
   e->core.loop_ix = NULL;
-  if (cols_sum) {
-    cu_kbegin(e, "colsum");
-    cu_note(e, "%s: column sums of %lld blocks of rows, a block per %d columns in %d groups of rows", op_name(nd->op),
-            (long long)nb, colsum_width(nb, cols), colsum_block(nb) / colsum_width(nb, cols));
-    const char *parts[2 + EC_MAX_COLSUMS], *accs[2 + EC_MAX_COLSUMS];
-    int np = 0;
-    if (pdw >= 0)
-      parts[np] = cu_raw_ptr(e, pdw, at, "dw partials"), accs[np++] = "w";
-    if (pdb >= 0)
-      parts[np] = cu_raw_ptr(e, pdb, at, "db partials"), accs[np++] = "b";
-    for (int i = 0; i < nsum; i++) {
-      parts[np] = cu_raw_ptr(e, psum[i], at, "column sum partials");
-      accs[np++] = ec_str(&e->core, "a%d", i);
-    }
-    colsum_open(e, nb, cols, parts, accs, np, false);
-    if (dw >= 0)
-      ec_line(&e->core, "%s[r] = (float)w;", cu_ptr(e, dw));
-    if (db >= 0)
-      ec_line(&e->core, "%s[r] = (float)b;", cu_ptr(e, db));
-    for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "%s[r] = (float)a%d;", cu_ptr(e, sums[i]), i);
-    ec_leave(&e->core);
-    cu_kend(e, colsum_grid(nb, cols), colsum_block(nb));
+}
+
+// The second kernel, where there are column sums: the partials added in a fixed order (colsum_open).
+static void norm_bwd_colsum(Emit *e, const NormBwd *p) {
+  cu_kbegin(e, "colsum");
+  cu_note(e, "%s: column sums of %lld blocks of rows, a block per %d columns in %d groups of rows",
+          op_name(p->nd->op), (long long)p->nb, colsum_width(p->nb, p->cols),
+          colsum_block(p->nb) / colsum_width(p->nb, p->cols));
+  const char *parts[2 + EC_MAX_COLSUMS], *accs[2 + EC_MAX_COLSUMS];
+  int np = 0;
+  if (p->pdw >= 0)
+    parts[np] = cu_raw_ptr(e, p->pdw, p->at, "dw partials"), accs[np++] = "w";
+  if (p->pdb >= 0)
+    parts[np] = cu_raw_ptr(e, p->pdb, p->at, "db partials"), accs[np++] = "b";
+  for (int i = 0; i < p->nsum; i++) {
+    parts[np] = cu_raw_ptr(e, p->psum[i], p->at, "column sum partials");
+    accs[np++] = ec_str(&e->core, "a%d", i);
   }
-  if (dxbuf)
-    ec_phase_done(&e->core, dx);
-  if (dw >= 0)
-    ec_phase_done(&e->core, dw);
-  if (db >= 0)
-    ec_phase_done(&e->core, db);
-  for (int i = 0; i < nsum; i++)
-    ec_phase_done(&e->core, sums[i]);
+  colsum_open(e, p->nb, p->cols, parts, accs, np, false);
+  if (p->dw >= 0)
+    ec_line(&e->core, "%s[r] = (float)w;", cu_ptr(e, p->dw));
+  if (p->db >= 0)
+    ec_line(&e->core, "%s[r] = (float)b;", cu_ptr(e, p->db));
+  for (int i = 0; i < p->nsum; i++)
+    ec_line(&e->core, "%s[r] = (float)a%d;", cu_ptr(e, p->sums[i]), i);
+  ec_leave(&e->core);
+  cu_kend(e, colsum_grid(p->nb, p->cols), colsum_block(p->nb));
+}
+
+// LAYERNORM_BWD / RMSNORM_BWD siblings: dx per row; dw (and db) as column sums: each row group
+// adds a fixed block of rows into per-column partials, then the column sums add the blocks in a fixed
+// order (colsum_open).
+void cu_emit_norm_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
+  NormBwd p = {0};
+  norm_bwd_plan(e, gi, &p);
+  ec_phase_begin(&e->core);
+  norm_bwd_open(e, &p);
+  norm_bwd_stats(e, &p);
+  norm_bwd_dx(e, &p);
+  if (p.cols_sum)
+    norm_bwd_colsum(e, &p);
+  if (p.dxbuf)
+    ec_phase_done(&e->core, p.dx);
+  if (p.dw >= 0)
+    ec_phase_done(&e->core, p.dw);
+  if (p.db >= 0)
+    ec_phase_done(&e->core, p.db);
+  for (int i = 0; i < p.nsum; i++)
+    ec_phase_done(&e->core, p.sums[i]);
   ec_phase_end(&e->core);
-  free(q);
+  free(p.q);
 }
 
 // SOFTMAX (x) or SOFTMAX_BWD (y, dy) over the last axis, a warp (or block) per row.
