@@ -154,72 +154,63 @@ static Rows c_widened_fp8(Emit *e, Rows r, int64_t t, int *wide, int *nwide) {
 }
 
 
-// One GEMM (or one per batch) through fn (mdl_gemm or mdl_bgemm) into buffer c.
-static void gemm_call(Emit *e, const char *fn, bool ta, bool tb, int64_t m, int64_t n, int64_t k, Rows a, Rows b,
-                      int c, Shape so, Shape sa, Shape sb, int64_t batches) {
-  if (batches == 1) {
-    ec_line(&e->core, "%s(h, %d, %d, %lld, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d, %lld);", fn, ta, tb,
-            (long long)m, (long long)n, (long long)k, a.base, (long long)a.stride, b.base, (long long)b.stride, c,
-            (long long)n);
+// GEMM g (or one per batch) through fn (mdl_gemm or mdl_bgemm) into buffer c.
+static void gemm_call(Emit *e, const char *fn, const EwGemm *g, Rows a, Rows b, int c) {
+  long long m = g->m, n = g->n, k = g->k;
+  if (g->batches == 1) {
+    ec_line(&e->core, "%s(h, %d, %d, %lld, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d, %lld);", fn, g->ta, g->tb, m, n,
+            k, a.base, (long long)a.stride, b.base, (long long)b.stride, c, n);
     return;
   }
-  Shape ob = so, ab = sa, bb = sb;
+  Shape ob = g->so, ab = g->sa, bb = g->sb;
   ob.rank -= 2, ab.rank -= 2, bb.rank -= 2;
-  ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)batches);
+  ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)g->batches);
   const char *ia = ec_ix_bcast(&e->core, ob, ab, "t"), *ib = ec_ix_bcast(&e->core, ob, bb, "t");
   ec_line(&e->core,
           "%s(h, %d, %d, %lld, %lld, %lld, %s + %s * %lld, %lld, %s + %s * %lld, %lld, 0.0f, b%d + t * %lld, %lld);",
-          fn, ta, tb, (long long)m, (long long)n, (long long)k, a.base, ia, (long long)(m * k), (long long)a.stride,
-          b.base, ib, (long long)(k * n), (long long)b.stride, c, (long long)(m * n), (long long)n);
+          fn, g->ta, g->tb, m, n, k, a.base, ia, m * k, (long long)a.stride, b.base, ib, k * n, (long long)b.stride, c,
+          m * n, n);
   ec_leave(&e->core);
 }
 
 static void emit_gemm(EmitCore *core, int gi) {
   Emit *e = (Emit *)core;
-  int mm = e->core.groups[gi].mem[0];
-  const IrNode *nd = ec_node(&e->core, mm);
-  Shape sa = ec_node(&e->core, nd->in[0])->shape, sb = ec_node(&e->core, nd->in[1])->shape, so = nd->shape;
-  bool ta = nd->ia[0], tb = nd->ia[1];
-  int64_t m = so.d[so.rank - 2], n = so.d[so.rank - 1], k = ta ? sa.d[sa.rank - 2] : sa.d[sa.rank - 1];
+  EwGemm g;
+  ew_gemm_shape(&e->core, gi, &g);
   Rows a, b;
-  if (so.rank == 2) {
-    a = c_rows_of(e, nd->in[0]);
-    b = c_rows_of(e, nd->in[1]);
+  if (g.so.rank == 2) {
+    a = c_rows_of(e, g.nd->in[0]);
+    b = c_rows_of(e, g.nd->in[1]);
   } else {
-    a = c_rows_at(e, ec_need(&e->core, nd->in[0]), 0, sa.d[sa.rank - 1]);
-    b = c_rows_at(e, ec_need(&e->core, nd->in[1]), 0, sb.d[sb.rank - 1]);
+    a = c_rows_at(e, ec_need(&e->core, g.nd->in[0]), 0, g.sa.d[g.sa.rank - 1]);
+    b = c_rows_at(e, ec_need(&e->core, g.nd->in[1]), 0, g.sb.d[g.sb.rank - 1]);
   }
   ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), e->core.emitted, q);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, g.mm), e->core.emitted, q);
   // The product is f32: it may be written into an f32 output of the epilogue only.
-  if (ec_offset(&e->core, mm) < 0) {
-    for (int t = 0; t < nq && !e->core.spill[mm] && e->core.host[mm] < 0; t++)
-      if (ec_offset(&e->core, q[t]) >= 0 && ec_node(&e->core, q[t])->dtype == DT_F32)
-        e->core.host[mm] = q[t];
-    if (e->core.host[mm] < 0)
-      e->core.scratch[mm] = true;
-  }
-  int c = c_ptr(e, mm);
-  int64_t batches = ec_span(so, 0, so.rank - 2);
+  ew_gemm_place(&e->core, g.mm, q, nq);
+  int c = c_ptr(e, g.mm);
   e->uses_h = true;
   ec_phase_begin(&e->core);
   // bf16 operands: the library's bf16 GEMM where the runtime has one (h->bgemm), else an f32 GEMM of
   // the operands widened, in a scope of its own.
-  bool a16 = ec_node(&e->core, nd->in[0])->dtype == DT_BF16, b16 = ec_node(&e->core, nd->in[1])->dtype == DT_BF16;
+  bool a16 = ec_node(&e->core, g.nd->in[0])->dtype == DT_BF16;
+  bool b16 = ec_node(&e->core, g.nd->in[1])->dtype == DT_BF16;
   bool bf16 = a16 && b16, mixed = a16 != b16;
-  DType d8 = ec_node(&e->core, nd->in[0])->dtype;
+  DType d8 = ec_node(&e->core, g.nd->in[0])->dtype;
   bool fp8 = d8 == DT_F8E4M3 || d8 == DT_F8E5M2;
   int wide[2], nwide = 0;
-  c_note(e, "gemm %%%d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s", mm, (long long)m, (long long)n,
-         ta ? "T" : "", (long long)m, (long long)k, tb ? "T" : "", (long long)k, (long long)n,
+  c_note(e, "gemm %%%d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s", g.mm, (long long)g.m,
+         (long long)g.n, g.ta ? "T" : "", (long long)g.m, (long long)g.k, g.tb ? "T" : "", (long long)g.k,
+         (long long)g.n,
          bf16 ? ", bf16 operands (widened to f32 where the library has no bf16 GEMM)"
               : mixed ? ", a bf16 operand widened to f32"
               : fp8 ? ", fp8 operands widened to f32 and descaled (exact)" : "",
-         batches > 1 ? c_str(e, ", %lld batches", (long long)batches) : "", nq ? ", epilogue after" : "");
+         g.batches > 1 ? c_str(e, ", %lld batches", (long long)g.batches) : "", nq ? ", epilogue after" : "");
   if (bf16) {
     ec_enter(&e->core, "if (h->bgemm)");
-    gemm_call(e, "mdl_bgemm", ta, tb, m, n, k, a, b, c, so, sa, sb, batches);
+    gemm_call(e, "mdl_bgemm", &g, a, b, c);
     ec_leave(&e->core);
     ec_enter(&e->core, "else");
   } else if (mixed || fp8)
@@ -228,18 +219,18 @@ static void emit_gemm(EmitCore *core, int gi) {
     a = c_widened(e, a, wide, &nwide);
     b = c_widened(e, b, wide, &nwide);
   } else if (fp8) {
-    a = c_widened_fp8(e, a, nd->ia[2], wide, &nwide);
-    b = c_widened_fp8(e, b, nd->ia[3], wide, &nwide);
+    a = c_widened_fp8(e, a, g.nd->ia[2], wide, &nwide);
+    b = c_widened_fp8(e, b, g.nd->ia[3], wide, &nwide);
   }
-  gemm_call(e, "mdl_gemm", ta, tb, m, n, k, a, b, c, so, sa, sb, batches);
+  gemm_call(e, "mdl_gemm", &g, a, b, c);
   if (bf16 || mixed || fp8) {
     c_free_widened(e, wide, nwide);
     ec_leave(&e->core);
   }
-  ec_phase_done(&e->core, mm);
+  ec_phase_done(&e->core, g.mm);
   ec_phase_end(&e->core);
-  if (nq && !ec_reduction_after(&e->core, gi, e->core.emitted, ec_numel(&e->core, mm)))
-    c_pw_loop(&e->core, q, nq, ec_numel(&e->core, mm), mm, "epilogue");
+  if (nq && !ec_reduction_after(&e->core, gi, e->core.emitted, ec_numel(&e->core, g.mm)))
+    c_pw_loop(&e->core, q, nq, ec_numel(&e->core, g.mm), g.mm, "epilogue");
   free(q);
 }
 

@@ -427,11 +427,8 @@ void c_emit_embed(EmitCore *core, int gi) {
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = ec_node(&e->core, nd->in[0])->shape.d[0], c = ec_last_dim(&e->core, a), rows = ec_numel(&e->core, a) / c;
   int tab = ec_need(&e->core, nd->in[0]), ids = ec_need(&e->core, nd->in[1]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
+  ew_anchor_open(&e->core, a);
   e->uses_h = true;
-  ec_phase_begin(&e->core);
   c_note(e, "embed: %lld rows of %lld from a table of %lld", (long long)rows, (long long)c, (long long)v);
   c_par_for(e, rows * c, "static");
   ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rows);
@@ -563,10 +560,7 @@ void c_emit_rope(EmitCore *core, int gi) {
   int64_t rows = s.d[0] * s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
   Rows x = c_rows_of(e, nd->in[0]);
   int pos = ec_need(&e->core, nd->in[1]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "rope%s: %lld rows, %lld heads of %lld", nd->ia[1] ? " (inverse)" : "", (long long)rows,
          (long long)heads, (long long)d);
   c_par_for(e, rows * nc * 4, "static");
@@ -606,10 +600,7 @@ void c_emit_attn_mask(EmitCore *core, int gi) {
   const IrNode *nd = ec_node(&e->core, a);
   int64_t rows = nd->shape.d[0] * nd->shape.d[2], nt = nd->shape.d[3];
   int doc = nd->ia[1] ? ec_need(&e->core, nd->in[0]) : -1;
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "attention mask: %lld rows of %lld keys%s%s", (long long)rows, (long long)nt, nd->ia[0] ? ", causal" : "",
          doc >= 0 ? ", within documents" : "");
   c_par_for(e, rows * nt, "static");
@@ -636,10 +627,7 @@ void c_emit_max_bwd(EmitCore *core, int gi) {
   int ax = (int)nd->ia[0];
   int64_t outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
   int x = ec_need(&e->core, nd->in[0]), y = ec_need(&e->core, nd->in[1]), dy = ec_need(&e->core, nd->in[2]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "max backward: %lld outputs over %lld elements", (long long)(outer * inner), (long long)len);
   c_par_for(e, outer * len * inner, "static");
   ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)(outer * inner));
@@ -668,10 +656,7 @@ void c_emit_topk(EmitCore *core, int gi) {
   int ax = (int)nd->ia[0];
   int64_t k = nd->ia[1], outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
   int x = ec_need(&e->core, nd->in[0]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "topk: the %lld largest of %lld lines of %lld", (long long)k, (long long)(outer * inner), (long long)len);
   c_par_for(e, outer * len * inner * k, "static");
   ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)(outer * inner));
@@ -709,10 +694,7 @@ void c_emit_gather(EmitCore *core, int gi) {
   int64_t n = ec_numel(&e->core, a), ylen = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
   int64_t xlen = ec_node(&e->core, nd->in[0])->shape.d[ax];
   int x = ec_need(&e->core, nd->in[0]), idx = ec_need(&e->core, nd->in[1]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "gather: %lld values along an axis of %lld", (long long)n, (long long)xlen);
   c_par_for(e, n, "static");
   ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)n);
@@ -737,10 +719,7 @@ void c_emit_scatter(EmitCore *core, int gi) {
   int64_t ylen = ys.d[ax], slen = ss.d[ax], inner = ec_span(ys, ax + 1, ys.rank), lines = ec_span(ys, 0, ax) * inner;
   int base = has_base ? ec_need(&e->core, nd->in[0]) : -1;
   int idx = ec_need(&e->core, nd->in[has_base]), src = ec_need(&e->core, nd->in[has_base + 1]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "scatter-add: %lld lines, %lld sources into %lld places each", (long long)lines, (long long)slen,
          (long long)ylen);
   c_par_for(e, lines * (ylen + slen), "static");

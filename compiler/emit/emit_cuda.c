@@ -267,24 +267,20 @@ static const char *epi_name(CudaEpilogue k) {
 
 static void emit_gemm(EmitCore *core, int gi) {
   Emit *e = (Emit *)core;
-  int mm = e->core.groups[gi].mem[0];
-  const IrNode *nd = ec_node(&e->core, mm);
-  Shape sa = ec_node(&e->core, nd->in[0])->shape, sb = ec_node(&e->core, nd->in[1])->shape, so = nd->shape;
-  bool ta = nd->ia[0], tb = nd->ia[1];
-  int64_t m = so.d[so.rank - 2], n = so.d[so.rank - 1], k = ta ? sa.d[sa.rank - 2] : sa.d[sa.rank - 1];
+  EwGemm g;
+  ew_gemm_shape(&e->core, gi, &g);
   Rows a, b;
-  if (so.rank == 2) {
-    a = cu_rows_of(e, nd->in[0]);
-    b = cu_rows_of(e, nd->in[1]);
+  if (g.so.rank == 2) {
+    a = cu_rows_of(e, g.nd->in[0]);
+    b = cu_rows_of(e, g.nd->in[1]);
   } else {
-    a = (Rows){ec_need(&e->core, nd->in[0]), 0, sa.d[sa.rank - 1]};
-    b = (Rows){ec_need(&e->core, nd->in[1]), 0, sb.d[sb.rank - 1]};
+    a = (Rows){ec_need(&e->core, g.nd->in[0]), 0, g.sa.d[g.sa.rank - 1]};
+    b = (Rows){ec_need(&e->core, g.nd->in[1]), 0, g.sb.d[g.sb.rank - 1]};
   }
   ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), e->core.emitted, q);
-  int64_t batches = ec_span(so, 0, so.rank - 2);
-  int out = mm, bias = -1, aux = -1, resid = -1, cast = bf16_result(e, mm, n);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, g.mm), e->core.emitted, q);
+  int out = g.mm, bias = -1, aux = -1, resid = -1, cast = bf16_result(e, g.mm, g.n);
   CudaEpilogue epi = CUDA_EPI_NONE;
   DType ab = ec_node(&e->core, a.node)->dtype, ct = cast >= 0 ? DT_BF16 : DT_F32;
   bool fp8 = ab == DT_F8E4M3 || ab == DT_F8E5M2;
@@ -292,40 +288,35 @@ static void emit_gemm(EmitCore *core, int gi) {
   // is f32; the bias, GELU and residual run in the kernel after it, as a batched GEMM's do)
   if (cast >= 0)
     out = cast;
-  else if (batches == 1 && !fp8)
-    epi = epilogue_of(e, mm, n, &out, &bias, &aux, &resid);
-  if (out == mm && ec_offset(&e->core, mm) < 0) {
-    for (int t = 0; t < nq && !e->core.spill[mm] && e->core.host[mm] < 0; t++)
-      if (ec_offset(&e->core, q[t]) >= 0 && ec_node(&e->core, q[t])->dtype == DT_F32)
-        e->core.host[mm] = q[t];
-    if (e->core.host[mm] < 0)
-      e->core.scratch[mm] = true;
-  }
+  else if (g.batches == 1 && !fp8)
+    epi = epilogue_of(e, g.mm, g.n, &out, &bias, &aux, &resid);
+  if (out == g.mm)
+    ew_gemm_place(&e->core, g.mm, q, nq);
   int64_t sab = dtype_size(ab), sc = dtype_size(ct); // (fp8: one byte, A's and B's)
-  CudaGemm gm = {.ab = ab, .c_type = ct, .ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = a.stride,
-                 .ldb = b.stride, .ldc = n, .batch = 1, .a = cu_buf_off(e, a.node) + sab * a.at,
+  CudaGemm gm = {.ab = ab, .c_type = ct, .ta = g.ta, .tb = g.tb, .m = g.m, .n = g.n, .k = g.k, .lda = a.stride,
+                 .ldb = b.stride, .ldc = g.n, .batch = 1, .a = cu_buf_off(e, a.node) + sab * a.at,
                  .b = cu_buf_off(e, b.node) + sab * b.at, .c = cu_buf_off(e, out), .epilogue = epi,
                  .bias = bias >= 0 ? cu_buf_off(e, bias) : -1, .aux = aux >= 0 ? cu_buf_off(e, aux) : -1,
                  .beta = resid >= 0 ? 1.0f : 0.0f, .c_apart = resid >= 0, .cin = resid >= 0 ? cu_buf_off(e, resid) : 0,
                  .b_fp8 = fp8 ? ec_node(&e->core, b.node)->dtype : DT_F32,
-                 .a_scale = fp8 ? e->fp8 + 4 * (e->core.g->nfp8 + nd->ia[2]) : 0,
-                 .b_scale = fp8 ? e->fp8 + 4 * (e->core.g->nfp8 + nd->ia[3]) : 0};
+                 .a_scale = fp8 ? e->fp8 + 4 * (e->core.g->nfp8 + g.nd->ia[2]) : 0,
+                 .b_scale = fp8 ? e->fp8 + 4 * (e->core.g->nfp8 + g.nd->ia[3]) : 0};
   ec_phase_begin(&e->core);
-  if (batches > 1) {
-    Shape ob = so;
+  if (g.batches > 1) {
+    Shape ob = g.so;
     ob.rank -= 2;
-    int64_t s1 = batch_stride(sa, ob, m * k), s2 = batch_stride(sb, ob, k * n);
+    int64_t s1 = batch_stride(g.sa, ob, g.m * g.k), s2 = batch_stride(g.sb, ob, g.k * g.n);
     if (s1 >= 0 && s2 >= 0) {
-      gm.batch = batches, gm.stride_a = s1, gm.stride_b = s2, gm.stride_c = m * n;
+      gm.batch = g.batches, gm.stride_a = s1, gm.stride_b = s2, gm.stride_c = g.m * g.n;
       cu_gemm_add(e, gm);
     } else {
-      Shape ba = sa, bb = sb;
+      Shape ba = g.sa, bb = g.sb;
       ba.rank -= 2, bb.rank -= 2;
       CudaGemm one = gm;
-      for (int64_t t = 0; t < batches; t++) {
-        one.a = gm.a + sab * shape_bcast_offset(ob, ba, t) * m * k;
-        one.b = gm.b + sab * shape_bcast_offset(ob, bb, t) * k * n;
-        one.c = gm.c + sc * t * m * n;
+      for (int64_t t = 0; t < g.batches; t++) {
+        one.a = gm.a + sab * shape_bcast_offset(ob, ba, t) * g.m * g.k;
+        one.b = gm.b + sab * shape_bcast_offset(ob, bb, t) * g.k * g.n;
+        one.c = gm.c + sc * t * g.m * g.n;
         cu_gemm_add(e, one);
       }
     }
@@ -336,9 +327,9 @@ static void emit_gemm(EmitCore *core, int gi) {
   if (aux >= 0)
     ec_phase_done(&e->core, aux);
   ec_phase_end(&e->core);
-  nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), e->core.emitted, q);
-  if (nq && !ec_reduction_after(&e->core, gi, e->core.emitted, ec_numel(&e->core, mm)))
-    cu_pw_loop(&e->core, q, nq, ec_numel(&e->core, mm), mm, "epilogue");
+  nq = ec_post_set(&e->core, gi, ec_numel(&e->core, g.mm), e->core.emitted, q);
+  if (nq && !ec_reduction_after(&e->core, gi, e->core.emitted, ec_numel(&e->core, g.mm)))
+    cu_pw_loop(&e->core, q, nq, ec_numel(&e->core, g.mm), g.mm, "epilogue");
   free(q);
 }
 

@@ -791,12 +791,9 @@ void cu_emit_embed(EmitCore *core, int gi) {
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = ec_node(&e->core, nd->in[0])->shape.d[0], c = ec_last_dim(&e->core, a), rows = ec_numel(&e->core, a) / c;
   int tab = ec_need(&e->core, nd->in[0]), ids = ec_need(&e->core, nd->in[1]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
+  ew_anchor_open(&e->core, a);
   int w = c % 4 == 0 ? 4 : 1;
   int64_t cw = c / w, work = rows * cw;
-  ec_phase_begin(&e->core);
   cu_kbegin(e, "");
   cu_note(e, "embed: %lld rows of %lld from a table of %lld, %d per thread", (long long)rows, (long long)c,
           (long long)v, w);
@@ -1061,10 +1058,7 @@ void cu_emit_rope(EmitCore *core, int gi) {
   int64_t rows = s.d[0] * s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads, work = rows * heads * (d / 2);
   Rows x = cu_rows_of(e, nd->in[0]);
   int pos = ec_need(&e->core, nd->in[1]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "rope%s: %lld rows, %lld heads of %lld, a thread per pair", nd->ia[1] ? " (inverse)" : "", (long long)rows,
           (long long)heads, (long long)d);
@@ -1096,10 +1090,7 @@ void cu_emit_attn_mask(EmitCore *core, int gi) {
   int64_t nt = nd->shape.d[3], work = ec_numel(&e->core, a);
   bool causal = nd->ia[0];
   int doc = nd->ia[1] ? ec_need(&e->core, nd->in[0]) : -1;
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "attention mask: %lld rows of %lld keys%s%s, a thread per element", (long long)(work / nt), (long long)nt,
           causal ? ", causal" : "", doc >= 0 ? ", within documents" : "");
@@ -1130,10 +1121,7 @@ void cu_emit_max_bwd(EmitCore *core, int gi) {
   int ax = (int)nd->ia[0];
   int64_t outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank), on = outer * inner;
   int x = ec_need(&e->core, nd->in[0]), y = ec_need(&e->core, nd->in[1]), dy = ec_need(&e->core, nd->in[2]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "max backward: %lld outputs over %lld elements, a thread per output", (long long)on, (long long)len);
   const char *xp = cu_ptr(e, x), *yp = cu_ptr(e, y), *dp = cu_ptr(e, dy), *op = cu_ptr(e, a);
@@ -1167,10 +1155,7 @@ void cu_emit_topk(EmitCore *core, int gi) {
   int64_t lines = outer * inner;
   int x = ec_need(&e->core, nd->in[0]);
   const char *t = e->core.ixt;
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "topk: the %lld largest of %lld lines of %lld, a thread per line", (long long)k, (long long)lines,
           (long long)len);
@@ -1212,10 +1197,7 @@ void cu_emit_gather(EmitCore *core, int gi) {
   int64_t n = ec_numel(&e->core, a), ylen = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
   int64_t xlen = ec_node(&e->core, nd->in[0])->shape.d[ax];
   int x = ec_need(&e->core, nd->in[0]), idx = ec_need(&e->core, nd->in[1]);
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "gather: %lld values along an axis of %lld, a thread per value", (long long)n, (long long)xlen);
   const char *xp = cu_ptr(e, x), *ip = cu_ptr(e, idx), *yp = cu_ptr(e, a);
@@ -1244,10 +1226,7 @@ void cu_emit_scatter(EmitCore *core, int gi) {
   int base = has_base ? ec_need(&e->core, nd->in[0]) : -1;
   int idx = ec_need(&e->core, nd->in[has_base]), src = ec_need(&e->core, nd->in[has_base + 1]);
   const char *t = e->core.ixt;
-  ew_flush(&e->core);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "scatter-add: %lld lines, %lld sources into %lld places each, a thread per line", (long long)lines,
           (long long)slen, (long long)ylen);

@@ -299,6 +299,86 @@ bool ew_whole(EmitCore *e, int a) {
 }
 
 //
+// What the kernel families of every target share.
+//
+
+void ew_anchor_open(EmitCore *e, int a) {
+  ew_flush(e);
+  if (ec_offset(e, a) < 0)
+    e->scratch[a] = true;
+  ec_phase_begin(e);
+}
+
+void ew_gemm_shape(EmitCore *e, int gi, EwGemm *g) {
+  const IrNode *nd = ec_node(e, e->groups[gi].mem[0]);
+  Shape sa = ec_node(e, nd->in[0])->shape, so = nd->shape;
+  *g = (EwGemm){.mm = nd->id, .nd = nd, .sa = sa, .sb = ec_node(e, nd->in[1])->shape, .so = so, .ta = nd->ia[0],
+                .tb = nd->ia[1], .m = so.d[so.rank - 2], .n = so.d[so.rank - 1],
+                .k = nd->ia[0] ? sa.d[sa.rank - 2] : sa.d[sa.rank - 1], .batches = ec_span(so, 0, so.rank - 2)};
+}
+
+void ew_gemm_place(EmitCore *e, int mm, const int *q, int nq) {
+  if (ec_offset(e, mm) >= 0)
+    return;
+  for (int t = 0; t < nq && !e->spill[mm] && e->host[mm] < 0; t++)
+    if (ec_offset(e, q[t]) >= 0 && ec_node(e, q[t])->dtype == DT_F32)
+      e->host[mm] = q[t];
+  if (e->host[mm] < 0)
+    e->scratch[mm] = true;
+}
+
+void ew_opt_open(EmitCore *e, int gi) {
+  const Group *gr = &e->groups[gi];
+  for (int i = 0; i < gr->nmem; i++)
+    if (ec_node(e, gr->mem[i])->op == OP_GRAD_NORM) {
+      const IrNode *nd = ec_node(e, gr->mem[i]);
+      for (int k = 0; k < nd->nin; k++)
+        ec_need(e, nd->in[k]);
+    }
+  for (int i = 0; i < gr->nmem; i++) {
+    const IrNode *nd = ec_node(e, gr->mem[i]);
+    if (nd->op != OP_ADAMW)
+      continue;
+    for (int k = 1; k < nd->nin; k++)
+      if (nd->in[k] != opt_gnorm(nd) || e->grp[ec_canon(e, opt_gnorm(nd))] != gi)
+        ec_need(e, nd->in[k]);
+  }
+  ew_flush(e);
+  ec_phase_begin(e);
+}
+
+int ew_opt_segments(EmitCore *e, int gi, int i, bool *done, int *seg, int64_t *total) {
+  const Group *gr = &e->groups[gi];
+  const IrNode *a = ec_node(e, gr->mem[i]);
+  int ns = 0;
+  *total = 0;
+  for (int j = i; j < gr->nmem; j++) {
+    const IrNode *b = ec_node(e, gr->mem[j]);
+    if (done[j] || b->op != OP_ADAMW || b->ia[0] != a->ia[0] || b->nin != a->nin ||
+        memcmp(a->fa, b->fa, sizeof(double) * 3) || a->fa[4] != b->fa[4])
+      continue;
+    bool same = true;
+    for (int k = a->nin - 3; k < a->nin; k++)
+      same &= ec_canon(e, a->in[k]) == ec_canon(e, b->in[k]);
+    if (!same)
+      continue;
+    done[j] = true;
+    seg[ns++] = gr->mem[j];
+    *total += ec_numel(e, gr->mem[j]);
+  }
+  return ns;
+}
+
+const char *ew_opt_hyper(EmitCore *e, const IrNode *a) {
+  switch ((OptRule)a->ia[0]) {
+  case OPT_SGD: return ec_str(e, "momentum %g%s", a->fa[0], a->fa[1] != 0 ? ", Nesterov" : "");
+  case OPT_LION: return ec_str(e, "beta1 %g, beta2 %g", a->fa[0], a->fa[1]);
+  case OPT_MUON: return ec_str(e, "momentum %g", a->fa[0]);
+  default: return ec_str(e, "beta1 %g, beta2 %g, eps %g", a->fa[0], a->fa[1], a->fa[2]);
+  }
+}
+
+//
 // Reductions.
 //
 

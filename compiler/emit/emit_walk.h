@@ -76,6 +76,33 @@ void ew_post_inloop(EmitCore *e, int anchor, const int *q, int nq, const char *i
 // output or read at other indices; otherwise only a local (or a row) exists.
 bool ew_whole(EmitCore *e, int a);
 
+// Opens the phase of anchor a, which is written whole (its arena slot, or scratch of the step), after
+// the values its group reads from memory (ew_flush).
+void ew_anchor_open(EmitCore *e, int a);
+
+// A MATMUL (group gi's anchor mm) as [batches] of [m x k] x [k x n] (ta, tb: the operands transposed).
+typedef struct {
+  int mm;
+  const IrNode *nd;
+  Shape sa, sb, so; // the operands', the output's
+  bool ta, tb;
+  int64_t m, n, k, batches;
+} EwGemm;
+
+void ew_gemm_shape(EmitCore *e, int gi, EwGemm *g);
+// Where GEMM mm writes when it has no arena slot: into the first f32 output of its epilogue q[0..nq)
+// that has one (e->host; the product is f32), else into scratch.
+void ew_gemm_place(EmitCore *e, int mm, const int *q, int nq);
+
+// The optimizer (G_OPT): opens group gi's phase, its inputs in memory first (the gradients of its
+// norm, and what each update reads but a norm this group computes).
+void ew_opt_open(EmitCore *e, int gi);
+// The updates of group gi from member i on (not done[]) that share member i's rule, hyperparameters
+// and scalars, which run over one table: into seg[] and marked done; their values in *total.
+int ew_opt_segments(EmitCore *e, int gi, int i, bool *done, int *seg, int64_t *total);
+// Update a's hyperparameters, for a comment ("beta1 0.9, beta2 0.95, eps 1e-08").
+const char *ew_opt_hyper(EmitCore *e, const IrNode *a);
+
 // A SUM / MEAN / MAX over one axis, or a TARGET_COUNT (over every target), as [outer, len, inner].
 typedef struct {
   int a, x;              // the anchor, its input
