@@ -1,5 +1,5 @@
 // emit_c_impl.h: what the files of the C emitter share (names prefixed c_): its state Emit and the
-// functions one file calls in another. backend.h is the emitter's interface (emit_c); emit_common.h
+// functions one file calls in another. emit_c.h is the emitter's interface (emit_c); emit_common.h
 // says which file does what.
 #ifndef EMIT_C_IMPL_H
 #define EMIT_C_IMPL_H

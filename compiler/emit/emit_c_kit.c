@@ -1,6 +1,6 @@
 // emit_c_kit.c: the C emitter's toolkit, what its loop families build with: lines and notes, kernel
-// pointers, the inline evaluator, elementwise loops, row loops with per-thread scratch rows and GEMM
-// operands widened to f32. See emit_c.c for the design.
+// pointers, the evaluator's hooks (how a value is named, read and stored), elementwise loops, row loops
+// with per-thread scratch rows and GEMM operands widened to f32. See emit_c.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
 #include "emit_walk.h"
@@ -63,11 +63,10 @@ int c_ptr(Emit *e, int c) {
 }
 
 //
-// The inline evaluator.
+// The evaluator's hooks (emit_walk.h: EmitTarget).
 //
 
-// The evaluator's hooks (emit_walk.h: EmitTarget). A local is named after its node and index
-// (v12_i), which write_kernels numbers when it compares kernels.
+// A local is named after its node and index (v12_i), which kernel_key numbers when it compares kernels.
 const char *c_local(EmitCore *core, int c, const char *ix) { return ec_str(core, "v%d_%s", c, ix); }
 
 void c_store(EmitCore *core, int c, const char *ix, const char *v) {

@@ -1,6 +1,7 @@
 // emit_cuda_kit.c: the CUDA emitter's toolkit, what its kernel families build with: lines and notes,
-// scratch and the buffers of a kernel, kernels and their launches, the inline evaluator, elementwise
-// kernels, and row kernels' shapes. See emit_cuda.c for the design.
+// scratch and the buffers of a kernel, kernels and their launches, the evaluator's hooks (how a value
+// is named, read and stored, four lanes at once), elementwise kernels, and row kernels' shapes. See
+// emit_cuda.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
 #include "emit_walk.h"
@@ -240,7 +241,7 @@ const char *cu_sh_float(Emit *e) {
 }
 
 //
-// The inline evaluator.
+// The evaluator's hooks (emit_walk.h: EmitTarget).
 //
 
 // Is ix the index of the lane being written in a four-lane loop body, for a value of that loop's size
