@@ -684,12 +684,8 @@ void c_emit_attention_bwd(EmitCore *core, int gi) {
   int doc = has_doc ? ec_need(&e->core, nd->in[3]) : -1;
   Rows dout = c_rows_of(e, att_bwd_dout(nd)), o = ds ? c_rows_of(e, att_bwd_out(nd)) : (Rows){0};
   int lse = ec_need(&e->core, att_bwd_lse(nd));
-  ew_flush(&e->core);
-  for (int i = 0; i < 3; i++)
-    if (out[i] >= 0 && ec_offset(&e->core, out[i]) < 0)
-      e->core.scratch[out[i]] = true;
+  ew_outputs_open(&e->core, out, 3);
   const char *sc = c_flit(e, nd->fa[0]);
-  ec_phase_begin(&e->core);
   c_note(e, "attention backward (%s%s%s): B %lld, T %lld, %lld heads of %lld%s%s%s; one task per (batch, %s)",
          out[0] >= 0 ? "dq " : "", out[1] >= 0 ? "dk " : "", out[2] >= 0 ? "dv" : "", (long long)nb, (long long)nt,
          (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "",
@@ -697,10 +693,7 @@ void c_emit_attention_bwd(EmitCore *core, int gi) {
   if (attn_by_gemm(nt, d)) {
     attn_gemm_kernel(e, &(AttnGemm){.nd = nd, .lse = lse, .doc = doc, .out = out, .q = q, .k = k, .v = v,
                                     .dout = dout, .o = o});
-    for (int i = 0; i < 3; i++)
-      if (out[i] >= 0)
-        ec_phase_done(&e->core, out[i]);
-    ec_phase_end(&e->core);
+    ew_outputs_done(&e->core, out, 3);
     return;
   }
   Tmp tmp[6];
@@ -787,8 +780,5 @@ void c_emit_attention_bwd(EmitCore *core, int gi) {
               (long long)d);
     }
   emit_attn_close(e, tmp, ntmp);
-  for (int i = 0; i < 3; i++)
-    if (out[i] >= 0)
-      ec_phase_done(&e->core, out[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, out, 3);
 }

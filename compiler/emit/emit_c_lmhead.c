@@ -82,11 +82,7 @@ void c_emit_ce(EmitCore *core, int gi) {
   int64_t v = ec_last_dim(&e->core, nd->in[0]), rows = ec_numel(&e->core, nd->in[1]);
   int lg = ec_need(&e->core, nd->in[0]), tg = ec_need(&e->core, nd->in[1]),
       dl = ceb >= 0 ? ec_need(&e->core, ec_node(&e->core, ceb)->in[2]) : -1;
-  ew_flush(&e->core);
-  for (int i = 0; i < gr->nmem; i++)
-    if (ec_offset(&e->core, gr->mem[i]) < 0)
-      e->core.scratch[gr->mem[i]] = true;
-  ec_phase_begin(&e->core);
+  ew_outputs_open(&e->core, gr->mem, gr->nmem);
   c_note(e, "cross-entropy%s: %lld rows of %lld", ceb >= 0 ? (ce >= 0 ? " and its gradient" : " gradient") : "",
          (long long)rows, (long long)v);
   c_par_for(e, rows * v, "static");
@@ -99,9 +95,7 @@ void c_emit_ce(EmitCore *core, int gi) {
   ce_row(e, "cross_entropy", v, x16, ce >= 0 ? c_str(e, "b%d[r]", c_ptr(e, ce)) : NULL, ceb >= 0 ? "dx" : NULL,
          dl >= 0 ? c_str(e, "b%d[r]", c_ptr(e, dl)) : NULL, false, false, NULL);
   ec_leave(&e->core);
-  for (int i = 0; i < gr->nmem; i++)
-    ec_phase_done(&e->core, gr->mem[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, gr->mem, gr->nmem);
 }
 
 // One pass of the LM head's chunks (see c_emit_lmhead), its GEMMs through gemm: mdl_gemm on f32 x and W
@@ -204,7 +198,5 @@ void c_emit_lmhead(EmitCore *core, int gi) {
   c_free_widened(e, wide, nwide);
   if (b16)
     ec_leave(&e->core);
-  for (int i = 0; i < nout; i++)
-    ec_phase_done(&e->core, outs[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, outs, nout);
 }

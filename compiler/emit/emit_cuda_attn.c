@@ -712,12 +712,8 @@ void cu_emit_attention_bwd(EmitCore *core, int gi) {
   bool ds = out[0] >= 0 || out[1] >= 0; // dq and dk need dS = P (dP - D); dv only P
   if (ds)
     A.o = cu_rows_of(e, att_bwd_out(nd));
-  ew_flush(&e->core);
-  for (int i = 0; i < 3; i++)
-    if (out[i] >= 0 && ec_offset(&e->core, out[i]) < 0)
-      e->core.scratch[out[i]] = true;
+  ew_outputs_open(&e->core, out, 3);
   int64_t dsum = ds ? cu_scratch_alloc(e, A.nb * A.heads * A.nt * 4) : -1;
-  ec_phase_begin(&e->core);
   bool mma = att_mma_bwd(&A);
   if (ds)
     att_dsum_kernel(e, &A, dsum);
@@ -733,8 +729,5 @@ void cu_emit_attention_bwd(EmitCore *core, int gi) {
     att_mma_dkv_kernel(e, &A, out[1], out[2], dsum, att_other_warps(ATT_MMA_WARPS), l);
   } else if (out[1] >= 0 || out[2] >= 0)
     att_key_kernel(e, &A, out[1], out[2], dsum);
-  for (int i = 0; i < 3; i++)
-    if (out[i] >= 0)
-      ec_phase_done(&e->core, out[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, out, 3);
 }

@@ -48,12 +48,8 @@ void cu_emit_ce(EmitCore *core, int gi) {
   int64_t v = ec_last_dim(&e->core, nd->in[0]), rows = ec_numel(&e->core, nd->in[1]);
   int lg = ec_need(&e->core, nd->in[0]), tg = ec_need(&e->core, nd->in[1]),
       dl = ceb >= 0 ? ec_need(&e->core, ec_node(&e->core, ceb)->in[2]) : -1;
-  ew_flush(&e->core);
-  for (int i = 0; i < gr->nmem; i++)
-    if (ec_offset(&e->core, gr->mem[i]) < 0)
-      e->core.scratch[gr->mem[i]] = true;
+  ew_outputs_open(&e->core, gr->mem, gr->nmem);
   RowShape rs = ce_shape(e, v, rows);
-  ec_phase_begin(&e->core);
   cu_kbegin(e, "");
   cu_note(e, "cross-entropy%s: %lld rows of %lld, %s per row",
           ceb >= 0 ? (ce >= 0 ? " and its gradient" : " gradient") : "", (long long)rows, (long long)v,
@@ -66,9 +62,7 @@ void cu_emit_ce(EmitCore *core, int gi) {
          ce_width(v, (int)dtype_size(ec_node(&e->core, lg)->dtype), ceb >= 0 ? 4 : 0));
   ec_leave(&e->core);
   cu_kend(e, rs.grid, rs.block);
-  for (int i = 0; i < gr->nmem; i++)
-    ec_phase_done(&e->core, gr->mem[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, gr->mem, gr->nmem);
 }
 
 enum { LMHEAD_BYTES = 1 << 30 }; // the most bytes of logits of one chunk of the LM head
@@ -188,7 +182,5 @@ void cu_emit_lmhead(EmitCore *core, int gi) {
                                 .batch = 1, .a = ox + sab * r0 * c, .b = grads, .c = odw, .beta = r0 ? 1.0f : 0.0f,
                                 .bias = -1, .aux = -1});
   }
-  for (int i = 0; i < nout; i++)
-    ec_phase_done(&e->core, outs[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, outs, nout);
 }

@@ -302,12 +302,22 @@ bool ew_whole(EmitCore *e, int a) {
 // What the kernel families of every target share.
 //
 
-void ew_anchor_open(EmitCore *e, int a) {
+void ew_outputs_open(EmitCore *e, const int *outs, int n) {
   ew_flush(e);
-  if (ec_offset(e, a) < 0)
-    e->scratch[a] = true;
+  for (int i = 0; i < n; i++)
+    if (outs[i] >= 0 && ec_offset(e, outs[i]) < 0)
+      e->scratch[outs[i]] = true;
   ec_phase_begin(e);
 }
+
+void ew_outputs_done(EmitCore *e, const int *outs, int n) {
+  for (int i = 0; i < n; i++)
+    if (outs[i] >= 0)
+      ec_phase_done(e, outs[i]);
+  ec_phase_end(e);
+}
+
+void ew_anchor_open(EmitCore *e, int a) { ew_outputs_open(e, &a, 1); }
 
 void ew_gemm_shape(EmitCore *e, int gi, EwGemm *g) {
   const IrNode *nd = ec_node(e, e->groups[gi].mem[0]);

@@ -76,8 +76,12 @@ void ew_post_inloop(EmitCore *e, int anchor, const int *q, int nq, const char *i
 // output or read at other indices; otherwise only a local (or a row) exists.
 bool ew_whole(EmitCore *e, int a);
 
-// Opens the phase of anchor a, which is written whole (its arena slot, or scratch of the step), after
-// the values its group reads from memory (ew_flush).
+// Opens the phase of a group whose outputs outs[0..n) (-1: none) are written whole (each its arena
+// slot, or scratch of the step), after the values the group reads from memory (ew_flush); closes it,
+// the outputs written.
+void ew_outputs_open(EmitCore *e, const int *outs, int n);
+void ew_outputs_done(EmitCore *e, const int *outs, int n);
+// ew_outputs_open of one anchor.
 void ew_anchor_open(EmitCore *e, int a);
 
 // A MATMUL (group gi's anchor mm) as [batches] of [m x k] x [k x n] (ta, tb: the operands transposed).
