@@ -1,5 +1,5 @@
 // emit_walk.h: the emitters' walker (emit_walk.c), written once for every target, and the table of
-// hooks (EmitTarget) through which it calls the target it emits for. names prefixed ew_.
+// hooks (EmitTarget) through which it calls the target it emits for. Names are prefixed ew_.
 //
 // The walker takes a step plan's steps one by one: the passes that settle where a step's values live,
 // its groups in order, each handed to the target's kernel for its kind (EmitTarget.kernel), the
@@ -56,7 +56,7 @@ const char *ew_kernel_name(EmitCore *e, const char *name, int si, const char **n
 // Emits step si into the target's state: passes until the layout of its values settles, the last
 // pass's text kept. False when a step cannot be emitted (e->err says why).
 bool ew_step(EmitCore *e, int si);
-// The comment above step si's code, named name: its ops, one a line.
+// The comment above the current step's code (e->si, named name): its ops, one a line.
 void ew_step_head(EmitCore *e, Buf *b, const char *name);
 EmitKernel ew_kernel_of(EmitCore *e, int gi);
 
