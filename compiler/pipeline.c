@@ -10,7 +10,7 @@
 // before and handed in as PipelineOptions. The dims are bound (shapes specialised) by the front end,
 // from the model's text and -D. Validation graphs are specialised after the precision pass, which
 // decides on what the graph's outputs read.
-#include "backend.h"
+#include "emit_c.h"
 #include "emit_cuda.h"
 #include "mdl.h"
 

@@ -1,9 +1,10 @@
 // emit_c.c: the C emitter. It turns the step plan (a Fusion and its MemPlan) into one translation unit
 // of C11 + OpenMP for the whole training step: a prelude of helpers (runtime/kernels/prelude.h), one function
 // per step, mdl_step calling them in order, and a table of kernels the runtime can time one by one.
-// This file holds the emitter's state, buffers, the inline evaluator, elementwise loops, row loops,
-// GEMMs and the steps; the other loop families are in emit_c_rows.c, emit_c_lmhead.c, emit_c_attn.c
-// and emit_c_opt.c (emit_common.h lists them), sharing emit_c_impl.h.
+// This file holds the module: its steps, their kernels' pointers and shared code, and GEMMs; the loop
+// families are in emit_c_rows.c, emit_c_lmhead.c, emit_c_attn.c and emit_c_opt.c, built with the
+// toolkit of emit_c_kit.c (buffers, the inline evaluator, elementwise and row loops); emit_common.h
+// lists them, emit_c_impl.h is what they share.
 //
 // Kernels that run the same loops on other buffers (one per layer: GPT-2 124M's 238 kernels are 30
 // distinct ones) share one function that takes their buffers' arena offsets, and each kernel calls
@@ -57,10 +58,12 @@
 //
 // What does not depend on the target (where values are, groups and their order, lines and scopes,
 // the index maps of the evaluator) is in emit_common.c, whose state EmitCore this emitter embeds as
-// e->core.
+// e->core; the walk over a step's passes and groups and the evaluator's walk are emit_walk.c's, which
+// calls this target through c_target, its table of hooks.
 #include "mdl.h"
 #include "emit_common.h"
-#include "backend.h"
+#include "emit_walk.h"
+#include "emit_c.h"
 #include "emit_c_impl.h"
 
 #include <math.h>
@@ -69,40 +72,8 @@
 #include <string.h>
 
 //
-// Lines and scopes.
-//
-
-void c_note(Emit *e, const char *fmt, ...) {
-  ec_bput(&e->notes, "//   ");
-  va_list ap;
-  va_start(ap, fmt);
-  ec_bvput(&e->notes, fmt, ap);
-  va_end(ap);
-  ec_bput(&e->notes, "\n");
-}
-
-void c_par_for(Emit *e, int64_t work, const char *schedule) {
-  if (work >= PAR_MIN) {
-    ec_line(&e->core, "#pragma omp parallel for num_threads(h->nthreads) schedule(%s)", schedule);
-    e->uses_h = true;
-  }
-}
-
-const char *c_str(Emit *e, const char *fmt, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof buf, fmt, ap);
-  va_end(ap);
-  return arena_strdup(e->core.a, buf);
-}
-
-// A float literal that reads back as the same float, in as few digits as that takes.
-const char *c_flit(Emit *e, double v) { return ec_flit(&e->core, v); }
-
-//
-// Buffers: every node read or written through memory gets one pointer, declared at the top of its
-// kernel: its arena slot, a scratch buffer, or (a GEMM root) the buffer of its epilogue's output.
+// The kernel's pointers, declared at its top: every node read or written through memory has one (its
+// arena slot, a scratch buffer, or for a GEMM root the buffer of its epilogue's output).
 //
 
 static const char *shape_txt(Emit *e, int n) {
@@ -114,20 +85,6 @@ static const char *shape_txt(Emit *e, int n) {
 static const char *node_label(Emit *e, int n) {
   const IrNode *nd = ec_node(&e->core, n);
   return c_str(e, "%%%d %s%s%s", n, op_name(nd->op), nd->name ? " " : "", nd->name ? nd->name : "");
-}
-
-// Marks c's pointer as used; the declarations are written, in node order, when the kernel is done.
-int c_ptr(Emit *e, int c) {
-  if (e->declared[c])
-    return c;
-  if (ec_offset(&e->core, c) < 0 && e->core.host[c] < 0 && !e->core.scratch[c])
-    ec_fail(&e->core, "node %d (%s) has no buffer in step %s", c, op_name(ec_node(&e->core, c)->op),
-            e->core.f->steps[e->core.si].name);
-  if (e->core.host[c] >= 0)
-    c_ptr(e, e->core.host[c]);
-  e->declared[c] = true;
-  e->decls[e->ndecls++] = c;
-  return c;
 }
 
 static int cmp_int(const void *a, const void *b) { return *(const int *)a - *(const int *)b; }
@@ -181,186 +138,11 @@ static void write_decls(Emit *e, Buf *decl, Buf *shared, Kernel *k, Buf *frees) 
 }
 
 //
-// The inline evaluator.
+// Anchors.
 //
 
-// Reading node c at ix from memory: records reads that the chosen layout must allow.
-static void note_read(Emit *e, int c, const char *ix) {
-  bool at_post = e->post_anchor == c && strcmp(ix, e->post_ix) == 0;
-  if (e->core.in_step[c] && e->core.grp[c] >= 0 && !at_post && ec_offset(&e->core, c) < 0)
-    ec_flag(&e->core, e->core.spill, c);
-}
-
-// The value of node n at flat index ix, as a C expression; emits what computes it. A step output
-// met at the current loop's own index is stored on the way.
-const char *c_val(Emit *e, int n, const char *ix) {
-  int c = ec_canon(&e->core, n);
-  const IrNode *nd = ec_node(&e->core, c);
-  if (nd->op == OP_CONST)
-    return nd->dtype == DT_I32 ? ec_ilit(&e->core, nd->fa[0]) : c_flit(e, nd->fa[0]);
-  if (ec_numel(&e->core, c) == 1)
-    ix = "0";
-  const char *hit = ec_memo_get(&e->core, c, ix);
-  if (hit)
-    return hit;
-  const char *name = c_str(e, "v%d_%s", c, ix);
-  if (ec_in_memory(&e->core, c)) {
-    note_read(e, c, ix);
-    ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name,
-            ec_load(&e->core, c, c_str(e, "b%d[%s]", c_ptr(e, c), ix)));
-  } else if (e->core.in_step[c] && ec_is_pointwise(nd->op)) {
-    const char *expr = ec_pointwise_expr(&e->core, c, ix);
-    ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name, expr);
-    bool own = e->loop_ix && ec_numel(&e->core, c) == e->loop_n && (strcmp(ix, e->loop_ix) == 0 || e->loop_n == 1);
-    if (ec_has_target(&e->core, c) && !e->core.stored[c] && own) {
-      ec_line(&e->core, "b%d[%s] = %s;", c_ptr(e, c), ix, ec_store(&e->core, c, name));
-      e->core.stored[c] = true;
-      e->core.phase_nodes[e->core.nphase++] = c;
-    }
-  } else if (e->core.in_step[c] && e->core.grp[c] >= 0) {
-    // An anchor of this step that is not in memory (yet): read inside its own loop at another index,
-    // or after it while only a local or a row of it existed. Flag it; the next pass lays it out.
-    if (e->post_inloop && e->post_anchor == c && e->cur_q >= 0)
-      ec_flag(&e->core, e->core.post_bad, e->cur_q);
-    else
-      ec_flag(&e->core, e->core.spill, c);
-    return "0.0f";
-  } else {
-    ec_fail(&e->core, "step %s reads node %d (%s), which no earlier step wrote", e->core.f->steps[e->core.si].name, c,
-            op_name(nd->op));
-    return "0";
-  }
-  ec_memo_put(&e->core, c, ix, name);
-  return name;
-}
-
-// The evaluator hooks of EmitCore (core is the first member of Emit).
-static const char *core_val(EmitCore *core, int n, const char *ix) { return c_val((Emit *)core, n, ix); }
-static const char *core_base(EmitCore *core, int n) { return c_str((Emit *)core, "b%d", c_ptr((Emit *)core, n)); }
-
-static const char *core_seed(EmitCore *core) {
-  ((Emit *)core)->uses_h = true;
-  return "h->seed";
-}
-
-static const char *core_fp8_cast(EmitCore *core, const IrNode *cast, const char *x) {
-  ((Emit *)core)->uses_h = true;
-  return ec_str(core, "mdl_cast_%s(h, %lld, %s)", cast->ia[0] == DT_F8E5M2 ? "e5m2" : "e4m3", (long long)cast->ia[1], x);
-}
-
-//
-// Elementwise loops, each a phase: its stores count as written after it.
-//
-
-// One elementwise loop over `numel` elements writing nodes[0..k) (all of that size). post_anchor
-// names the GEMM whose epilogue this is, or -1. Over rows of the nodes' last axis when there are
-// enough of them (ROW_MIN): a value broadcast along rows (a bias) is then read at the column c, so
-// the loop over a row vectorizes (as i % width, it would be a gather, and GCC leaves it scalar).
-enum { ROW_MIN = 16 };
-
-static void pw_loop(Emit *e, const int *nodes, int k, int64_t numel, int post_anchor) {
-  ec_phase_begin(&e->core);
-  Buf b = {0};
-  for (int t = 0; t < k; t++)
-    ec_bput(&b, "%s%%%d", t ? " " : "", nodes[t]);
-  c_note(e, "elementwise over %lld: %s", (long long)numel, b.s ? b.s : "");
-  free(b.s);
-  c_par_for(e, numel, "static");
-  int64_t w = ec_last_dim(&e->core, nodes[0]);
-  if (w >= ROW_MIN && numel / w >= ROW_MIN && numel % w == 0) {
-    ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)(numel / w));
-    ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)w);
-    ec_line(&e->core, "const int64_t i = r * %lld + c;", (long long)w);
-    e->core.row_ix = "i";
-    e->core.row_r = "r";
-    e->core.row_w = w;
-  } else {
-    ec_enter(&e->core, "for (int64_t i = 0; i < %lld; i++)", (long long)numel);
-  }
-  e->loop_ix = "i";
-  e->loop_n = numel;
-  e->post_anchor = post_anchor;
-  e->post_ix = "i";
-  e->post_inloop = false;
-  for (int t = 0; t < k; t++) {
-    e->cur_q = nodes[t];
-    const char *v = c_val(e, nodes[t], "i");
-    if (!e->core.stored[nodes[t]]) {
-      ec_line(&e->core, "b%d[i] = %s;", c_ptr(e, nodes[t]), ec_store(&e->core, nodes[t], v));
-      e->core.stored[nodes[t]] = true;
-      e->core.phase_nodes[e->core.nphase++] = nodes[t];
-    }
-  }
-  ec_leave(&e->core);
-  if (e->core.row_ix)
-    ec_leave(&e->core);
-  e->core.row_ix = NULL;
-  e->loop_ix = NULL;
-  e->post_anchor = -1;
-  e->cur_q = -1;
-  ec_phase_end(&e->core);
-}
-
-// Elementwise loops for a list of nodes, one per distinct size, in order of first appearance.
-static void pw_loops(Emit *e, const int *nodes, int k, int post_anchor) {
-  bool *done = ec_xcalloc((size_t)k, sizeof *done);
-  int *same = ec_xcalloc((size_t)k, sizeof *same);
-  for (int t = 0; t < k; t++) {
-    if (done[t])
-      continue;
-    int ns = 0;
-    for (int u = t; u < k; u++)
-      if (!done[u] && ec_numel(&e->core, nodes[u]) == ec_numel(&e->core, nodes[t])) {
-        same[ns++] = nodes[u];
-        done[u] = true;
-      }
-    pw_loop(e, same, ns, ec_numel(&e->core, nodes[t]), post_anchor);
-  }
-  free(done);
-  free(same);
-}
-
-void c_flush(Emit *e) {
-  if (e->core.npending)
-    pw_loops(e, e->core.pending, e->core.npending, -1);
-  e->core.npending = 0;
-}
-
-Rows c_rows_at(Emit *e, int buf, int64_t off, int64_t stride) {
-  return (Rows){off ? c_str(e, "b%d + %lld", c_ptr(e, buf), (long long)off) : c_str(e, "b%d", c_ptr(e, buf)), stride,
-                buf, off};
-}
-
-// n's rows (last axis) in memory: n itself, or a SLICE of the last axis of a tensor in memory (q, k,
-// v out of one qkv buffer), read in place with that tensor's stride.
-Rows c_rows_of(Emit *e, int n) {
-  int src;
-  int64_t start;
-  if (ec_row_slice(&e->core, n, &src, &start))
-    return c_rows_at(e, src, start, ec_last_dim(&e->core, src));
-  return c_rows_at(e, ec_need(&e->core, n), 0, ec_last_dim(&e->core, n));
-}
-
-// The rows r of a GEMM's operand as f32: a bf16 operand reads them from its buffer widened into
-// w<buf> (emitted here, once per group however many operands read that buffer; wide[] lists the
-// buffers to free after the group).
-Rows c_widened(Emit *e, Rows r, int *wide, int *nwide) {
-  if (ec_node(&e->core, r.buf)->dtype != DT_BF16)
-    return r;
-  bool have = false;
-  for (int i = 0; i < *nwide; i++)
-    have |= wide[i] == r.buf;
-  if (!have) {
-    e->uses_h = true;
-    ec_line(&e->core, "float *const w%d = mdl_widen_bf16(b%d, %lld, h->nthreads);", r.buf, c_ptr(e, r.buf),
-            (long long)ec_numel(&e->core, r.buf));
-    wide[(*nwide)++] = r.buf;
-  }
-  r.base = r.off ? c_str(e, "w%d + %lld", r.buf, (long long)r.off) : c_str(e, "w%d", r.buf);
-  return r;
-}
-
-// The same for an fp8 operand (scaled tensor t): its values times 1 / its scale, exactly.
+// The rows r of an fp8 GEMM operand (scaled tensor t) as f32, as c_widened does for bf16: its values
+// times 1 / its scale, exactly.
 static Rows c_widened_fp8(Emit *e, Rows r, int64_t t, int *wide, int *nwide) {
   e->uses_h = true;
   ec_line(&e->core, "float *const w%d = mdl_widen_fp8(b%d, %lld, %d, 1.0f / h->fp8_scale[%lld], h->nthreads);", r.buf,
@@ -371,173 +153,64 @@ static Rows c_widened_fp8(Emit *e, Rows r, int64_t t, int *wide, int *nwide) {
   return r;
 }
 
-void c_free_widened(Emit *e, const int *wide, int nwide) {
-  for (int i = 0; i < nwide; i++)
-    ec_line(&e->core, "mdl_free(w%d);", wide[i]);
-}
 
-// Evaluates the post outputs inside the anchor's own loop, where the anchor's value at index ix is
-// the expression y.
-void c_post_inloop(Emit *e, int anchor, const int *q, int nq, const char *ix, int64_t n, const char *y) {
-  e->loop_ix = ix;
-  e->loop_n = n;
-  e->post_anchor = anchor;
-  e->post_ix = ix;
-  e->post_inloop = true;
-  ec_memo_put(&e->core, anchor, ec_numel(&e->core, anchor) == 1 ? "0" : ix, y);
-  for (int t = 0; t < nq; t++) {
-    e->cur_q = q[t];
-    c_val(e, q[t], ix);
-  }
-  e->post_anchor = -1;
-  e->post_inloop = false;
-  e->cur_q = -1;
-}
-
-//
-// Loops over rows with per-thread scratch rows.
-//
-
-void c_rows_open(Emit *e, const char *var, int64_t rows, int64_t work, const Tmp *tmp, int ntmp) {
-  bool par = work >= PAR_MIN;
-  if (ntmp) {
-    if (par) {
-      ec_line(&e->core, "#pragma omp parallel num_threads(h->nthreads)");
-      e->uses_h = true;
-    }
-    ec_enter(&e->core, "%s", "");
-    for (int i = 0; i < ntmp; i++)
-      ec_line(&e->core, "float *%s = mdl_scratch(%lld * sizeof(float));", tmp[i].name, (long long)tmp[i].n);
-    if (par)
-      ec_line(&e->core, "#pragma omp for schedule(static)");
-  } else {
-    c_par_for(e, work, "static");
-  }
-  ec_enter(&e->core, "for (int64_t %s = 0; %s < %lld; %s++)", var, var, (long long)rows, var);
-}
-
-void c_rows_close(Emit *e, const Tmp *tmp, int ntmp) {
-  ec_leave(&e->core);
-  if (ntmp) {
-    for (int i = 0; i < ntmp; i++)
-      ec_line(&e->core, "mdl_free(%s);", tmp[i].name);
-    ec_leave(&e->core);
-  }
-}
-
-// Inside a row loop over r: a pointer named `name` to row r of x (cols wide), computed inline into
-// the per-thread row `tmp` when x is not in memory.
-void c_row_ptr(Emit *e, int x, const char *name, const char *tmp, int64_t cols) {
-  int a = ec_mem_alias(&e->core, x);
-  if (a >= 0) {
-    ec_line(&e->core, "const %s *%s = b%d + r * %lld;", ec_ctype(&e->core, a), name, c_ptr(e, a), (long long)cols);
+// GEMM g (or one per batch) through fn (mdl_gemm or mdl_bgemm) into buffer c.
+static void gemm_call(Emit *e, const char *fn, const EwGemm *g, Rows a, Rows b, int c) {
+  long long m = g->m, n = g->n, k = g->k;
+  if (g->batches == 1) {
+    ec_line(&e->core, "%s(h, %d, %d, %lld, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d, %lld);", fn, g->ta, g->tb, m, n,
+            k, a.base, (long long)a.stride, b.base, (long long)b.stride, c, n);
     return;
   }
-  ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
-  ec_line(&e->core, "const int64_t ix = r * %lld + j;", (long long)cols);
-  const char *save = e->loop_ix;
-  int64_t save_n = e->loop_n;
-  e->loop_ix = "ix";
-  e->loop_n = ec_numel(&e->core, x);
-  ec_line(&e->core, "%s[j] = %s;", tmp, c_val(e, x, "ix"));
-  e->loop_ix = save;
-  e->loop_n = save_n;
-  ec_leave(&e->core);
-  ec_line(&e->core, "const float *%s = %s;", name, tmp);
-}
-
-// Is x read inline (not in memory)? Then the row loop needs a scratch row for it.
-bool c_row_inline(Emit *e, int x) {
-  if (ec_mem_alias(&e->core, x) >= 0)
-    return false;
-  int c = ec_canon(&e->core, x);
-  if (e->core.in_step[c] && ec_is_pointwise(ec_node(&e->core, c)->op))
-    return true;
-  ec_need(&e->core, x); // a constant or an anchor kept as a local: in memory first
-  return false;
-}
-
-// The output buffer of a row-wise or reducing anchor: whole (arena slot or scratch) when it is an
-// output or read at other indices; otherwise only a per-thread row (or a local) exists.
-bool c_whole(Emit *e, int a) {
-  if (ec_offset(&e->core, a) >= 0)
-    return true;
-  if (e->core.spill[a]) {
-    e->core.scratch[a] = true;
-    return true;
-  }
-  return false;
-}
-
-//
-// Anchors.
-//
-
-// One GEMM (or one per batch) through fn (mdl_gemm or mdl_bgemm) into buffer c.
-static void gemm_call(Emit *e, const char *fn, bool ta, bool tb, int64_t m, int64_t n, int64_t k, Rows a, Rows b,
-                      int c, Shape so, Shape sa, Shape sb, int64_t batches) {
-  if (batches == 1) {
-    ec_line(&e->core, "%s(h, %d, %d, %lld, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d, %lld);", fn, ta, tb,
-            (long long)m, (long long)n, (long long)k, a.base, (long long)a.stride, b.base, (long long)b.stride, c,
-            (long long)n);
-    return;
-  }
-  Shape ob = so, ab = sa, bb = sb;
+  Shape ob = g->so, ab = g->sa, bb = g->sb;
   ob.rank -= 2, ab.rank -= 2, bb.rank -= 2;
-  ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)batches);
+  ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)g->batches);
   const char *ia = ec_ix_bcast(&e->core, ob, ab, "t"), *ib = ec_ix_bcast(&e->core, ob, bb, "t");
   ec_line(&e->core,
           "%s(h, %d, %d, %lld, %lld, %lld, %s + %s * %lld, %lld, %s + %s * %lld, %lld, 0.0f, b%d + t * %lld, %lld);",
-          fn, ta, tb, (long long)m, (long long)n, (long long)k, a.base, ia, (long long)(m * k), (long long)a.stride,
-          b.base, ib, (long long)(k * n), (long long)b.stride, c, (long long)(m * n), (long long)n);
+          fn, g->ta, g->tb, m, n, k, a.base, ia, m * k, (long long)a.stride, b.base, ib, k * n, (long long)b.stride, c,
+          m * n, n);
   ec_leave(&e->core);
 }
 
-static void emit_gemm(Emit *e, int gi, const bool *emitted) {
-  int mm = e->core.groups[gi].mem[0];
-  const IrNode *nd = ec_node(&e->core, mm);
-  Shape sa = ec_node(&e->core, nd->in[0])->shape, sb = ec_node(&e->core, nd->in[1])->shape, so = nd->shape;
-  bool ta = nd->ia[0], tb = nd->ia[1];
-  int64_t m = so.d[so.rank - 2], n = so.d[so.rank - 1], k = ta ? sa.d[sa.rank - 2] : sa.d[sa.rank - 1];
+static void emit_gemm(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
+  EwGemm g;
+  ew_gemm_shape(&e->core, gi, &g);
   Rows a, b;
-  if (so.rank == 2) {
-    a = c_rows_of(e, nd->in[0]);
-    b = c_rows_of(e, nd->in[1]);
+  if (g.so.rank == 2) {
+    a = c_rows_of(e, g.nd->in[0]);
+    b = c_rows_of(e, g.nd->in[1]);
   } else {
-    a = c_rows_at(e, ec_need(&e->core, nd->in[0]), 0, sa.d[sa.rank - 1]);
-    b = c_rows_at(e, ec_need(&e->core, nd->in[1]), 0, sb.d[sb.rank - 1]);
+    a = c_rows_at(e, ec_need(&e->core, g.nd->in[0]), 0, g.sa.d[g.sa.rank - 1]);
+    b = c_rows_at(e, ec_need(&e->core, g.nd->in[1]), 0, g.sb.d[g.sb.rank - 1]);
   }
-  c_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, g.mm), e->core.emitted, q);
   // The product is f32: it may be written into an f32 output of the epilogue only.
-  if (ec_offset(&e->core, mm) < 0) {
-    for (int t = 0; t < nq && !e->core.spill[mm] && e->core.host[mm] < 0; t++)
-      if (ec_offset(&e->core, q[t]) >= 0 && ec_node(&e->core, q[t])->dtype == DT_F32)
-        e->core.host[mm] = q[t];
-    if (e->core.host[mm] < 0)
-      e->core.scratch[mm] = true;
-  }
-  int c = c_ptr(e, mm);
-  int64_t batches = ec_span(so, 0, so.rank - 2);
+  ew_gemm_place(&e->core, g.mm, q, nq);
+  int c = c_ptr(e, g.mm);
   e->uses_h = true;
   ec_phase_begin(&e->core);
   // bf16 operands: the library's bf16 GEMM where the runtime has one (h->bgemm), else an f32 GEMM of
   // the operands widened, in a scope of its own.
-  bool a16 = ec_node(&e->core, nd->in[0])->dtype == DT_BF16, b16 = ec_node(&e->core, nd->in[1])->dtype == DT_BF16;
+  bool a16 = ec_node(&e->core, g.nd->in[0])->dtype == DT_BF16;
+  bool b16 = ec_node(&e->core, g.nd->in[1])->dtype == DT_BF16;
   bool bf16 = a16 && b16, mixed = a16 != b16;
-  DType d8 = ec_node(&e->core, nd->in[0])->dtype;
+  DType d8 = ec_node(&e->core, g.nd->in[0])->dtype;
   bool fp8 = d8 == DT_F8E4M3 || d8 == DT_F8E5M2;
   int wide[2], nwide = 0;
-  c_note(e, "gemm %%%d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s", mm, (long long)m, (long long)n,
-         ta ? "T" : "", (long long)m, (long long)k, tb ? "T" : "", (long long)k, (long long)n,
+  c_note(e, "gemm %%%d: [%lld x %lld] = %s[%lld x %lld] %s[%lld x %lld]%s%s%s", g.mm, (long long)g.m,
+         (long long)g.n, g.ta ? "T" : "", (long long)g.m, (long long)g.k, g.tb ? "T" : "", (long long)g.k,
+         (long long)g.n,
          bf16 ? ", bf16 operands (widened to f32 where the library has no bf16 GEMM)"
               : mixed ? ", a bf16 operand widened to f32"
               : fp8 ? ", fp8 operands widened to f32 and descaled (exact)" : "",
-         batches > 1 ? c_str(e, ", %lld batches", (long long)batches) : "", nq ? ", epilogue after" : "");
+         g.batches > 1 ? c_str(e, ", %lld batches", (long long)g.batches) : "", nq ? ", epilogue after" : "");
   if (bf16) {
     ec_enter(&e->core, "if (h->bgemm)");
-    gemm_call(e, "mdl_bgemm", ta, tb, m, n, k, a, b, c, so, sa, sb, batches);
+    gemm_call(e, "mdl_bgemm", &g, a, b, c);
     ec_leave(&e->core);
     ec_enter(&e->core, "else");
   } else if (mixed || fp8)
@@ -546,87 +219,32 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
     a = c_widened(e, a, wide, &nwide);
     b = c_widened(e, b, wide, &nwide);
   } else if (fp8) {
-    a = c_widened_fp8(e, a, nd->ia[2], wide, &nwide);
-    b = c_widened_fp8(e, b, nd->ia[3], wide, &nwide);
+    a = c_widened_fp8(e, a, g.nd->ia[2], wide, &nwide);
+    b = c_widened_fp8(e, b, g.nd->ia[3], wide, &nwide);
   }
-  gemm_call(e, "mdl_gemm", ta, tb, m, n, k, a, b, c, so, sa, sb, batches);
+  gemm_call(e, "mdl_gemm", &g, a, b, c);
   if (bf16 || mixed || fp8) {
     c_free_widened(e, wide, nwide);
     ec_leave(&e->core);
   }
-  ec_phase_done(&e->core, mm);
+  ec_phase_done(&e->core, g.mm);
   ec_phase_end(&e->core);
-  if (nq && !ec_reduction_after(&e->core, gi, emitted, ec_numel(&e->core, mm)))
-    pw_loop(e, q, nq, ec_numel(&e->core, mm), mm);
+  if (nq && !ec_reduction_after(&e->core, gi, e->core.emitted, ec_numel(&e->core, g.mm)))
+    c_pw_loop(&e->core, q, nq, ec_numel(&e->core, g.mm), g.mm, "epilogue");
   free(q);
-}
-
-static void emit_group(Emit *e, int gi, const bool *emitted) {
-  const Group *gr = &e->core.groups[gi];
-  switch (gr->kind) {
-  case G_NORM_BWD: c_emit_norm_bwd(e, gi, emitted); return;
-  case G_ATTN: c_emit_attention(e, gi); return;
-  case G_ATTN_BWD: c_emit_attention_bwd(e, gi); return;
-  case G_CE: c_emit_ce(e, gi); return;
-  case G_LMHEAD: c_emit_lmhead(e, gi); return;
-  case G_OPT: c_emit_optimizer(e, gi); return;
-  case G_SINGLE: break;
-  }
-  Op op = ec_node(&e->core, gr->mem[0])->op;
-  switch (op) {
-  case OP_MATMUL: emit_gemm(e, gi, emitted); return;
-  case OP_SUM: case OP_MEAN: case OP_MAX: case OP_TARGET_COUNT: c_emit_reduce(e, gi, emitted); return;
-  case OP_LAYERNORM: case OP_RMSNORM: c_emit_norm_fwd(e, gi, emitted); return;
-  case OP_SOFTMAX: case OP_SOFTMAX_BWD: c_emit_softmax(e, gi, emitted); return;
-  case OP_EMBED: c_emit_embed(e, gi); return;
-  case OP_EMBED_BWD: c_emit_embed_bwd(e, gi); return;
-  case OP_ROPE: c_emit_rope(e, gi); return;
-  case OP_MAX_BWD: c_emit_max_bwd(e, gi); return;
-  case OP_TOPK: c_emit_topk(e, gi); return;
-  case OP_GATHER: c_emit_gather(e, gi); return;
-  case OP_GATHER_BWD: case OP_SCATTER_ADD: c_emit_scatter(e, gi); return;
-  case OP_ATTENTION_MASK: c_emit_attn_mask(e, gi); return;
-  default: ec_fail(&e->core, "no kernel for %s", op_name(op));
-  }
 }
 
 //
 // Steps.
 //
 
-static void pass_reset(Emit *e) {
-  size_t n = (size_t)e->core.g->n;
-  memset(e->core.written, 0, n * sizeof *e->core.written);
-  memset(e->core.scratch, 0, n * sizeof *e->core.scratch);
-  memset(e->declared, 0, n * sizeof *e->declared);
-  memset(e->core.stored, 0, n * sizeof *e->core.stored);
-  for (size_t i = 0; i < n; i++)
-    e->core.host[i] = -1;
-  e->core.body.len = e->notes.len = 0;
-  e->core.nmemo = e->core.nixm = e->core.npending = e->core.nphase = e->ndecls = 0;
-  e->core.indent = 1;
-  e->core.depth = 0;
-  e->core.fresh = 0;
-  e->loop_ix = NULL;
-  e->post_anchor = e->cur_q = -1;
-  e->post_inloop = false;
+// The C target's part of a pass's reset (emit_walk.c resets the rest).
+static void pass_reset(EmitCore *core) {
+  Emit *e = (Emit *)core;
+  memset(e->declared, 0, (size_t)core->g->n * sizeof *e->declared);
+  e->notes.len = 0;
+  e->ndecls = 0;
   e->uses_h = false;
-  e->core.flagged = false;
-}
-
-static void emit_step_body(Emit *e) {
-  const Step *st = &e->core.f->steps[e->core.si];
-  bool *emitted = ec_xcalloc((size_t)e->core.ngroups + 1, sizeof *emitted);
-  for (int k = 0; k < e->core.ngroups && !e->core.failed; k++) {
-    emit_group(e, e->core.order[k], emitted);
-    emitted[e->core.order[k]] = true;
-  }
-  free(emitted);
-  int *rest = ec_xcalloc((size_t)st->nnodes + 1, sizeof *rest), nrest = ec_unwritten(&e->core, rest);
-  if (nrest)
-    pw_loops(e, rest, nrest, -1);
-  free(rest);
-  ec_check_written(&e->core);
 }
 
 // The text two kernels share exactly when one's code computes the other's on other buffers: comments
@@ -672,38 +290,12 @@ static char *kernel_key(const char *s) {
 
 // Emits step si as the function `name`, into k.
 static bool emit_kernel(Emit *e, int si, const char *name, Kernel *k) {
-  const Step *st = &e->core.f->steps[si];
-  e->core.si = si;
-  for (int k = 0; k < st->nnodes; k++)
-    e->core.in_step[st->nodes[k]] = !ec_is_leaf(ec_node(&e->core, st->nodes[k])->op);
-  memset(e->core.spill, 0, sizeof *e->core.spill * (size_t)e->core.g->n);
-  memset(e->core.post_bad, 0, sizeof *e->core.post_bad * (size_t)e->core.g->n);
-  bool ok = ec_groups_order(&e->core);
-  for (int pass = 0; ok && pass < 32; pass++) {
-    pass_reset(e);
-    emit_step_body(e);
-    if (e->core.failed || !e->core.flagged)
-      break;
-  }
-  if (!e->core.failed && e->core.flagged)
-    ec_fail(&e->core, "step %s: the layout of its values did not settle", st->name);
-  for (int k = 0; k < st->nnodes; k++) {
-    e->core.in_step[st->nodes[k]] = false;
-    e->core.grp[st->nodes[k]] = -1;
-  }
-  if (e->core.failed)
+  if (!ew_step(&e->core, si))
     return false;
   ec_drop_unused(&e->core);
 
   Buf head = {0}, code = {0}, shared = {0};
-  ec_bput(&head, "\n// %s: %s, %d op%s\n", name, ec_kind_name(st->kind), st->nnodes, st->nnodes == 1 ? "" : "s");
-  for (int j = 0; j < st->nnodes; j++) {
-    const IrNode *nd = ec_node(&e->core, st->nodes[j]);
-    char buf[128];
-    ec_bput(&head, "//   %%%-5d %-18s %-20s %-10s %s%s\n", nd->id, op_name(nd->op), nd->name ? nd->name : "",
-            nd->loc.line ? c_str(e, "line %d", nd->loc.line) : "", dtype_name(nd->dtype),
-            shape_str(nd->shape, buf, sizeof buf));
-  }
+  ew_step_head(&e->core, &head, name);
   ec_bput(&head, "// loops:\n");
   ec_bappend(&head, &e->notes);
   ec_bput(&code, "MDL_FN void %s(char *arena, const MdlHooks *h) {\n", name);
@@ -806,42 +398,26 @@ static void write_kernels(Buf *out, const Kernel *ks, int n, int nparts, int *pa
   free(placed);
 }
 
-// A C identifier from a step name; unique among the kernels.
-static const char *kernel_name(Emit *e, const char *name, int si, const char **names) {
-  char buf[160];
-  size_t k = 0;
-  for (const char *p = name ? name : ""; *p && k + 1 < sizeof buf - 16; p++)
-    buf[k++] = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ? *p : '_';
-  buf[k] = 0;
-  if (!k || (buf[0] >= '0' && buf[0] <= '9'))
-    snprintf(buf, sizeof buf, "k%d_%s", si + 1, name && *name ? name : "step");
-  for (int i = 0; i < si; i++)
-    if (!strcmp(names[i], buf)) {
-      snprintf(buf + strlen(buf), 16, "_%d", si + 1);
-      break;
-    }
-  return arena_strdup(e->core.a, buf);
-}
+// The C target: its hooks and its loop families.
+static const EmitTarget c_target = {
+    .seed = c_seed, .base = c_base, .fp8_cast = c_fp8_cast, .local = c_local, .store = c_store,
+    .pw_loop = c_pw_loop, .pass_reset = pass_reset,
+    .kernel = {[EK_GEMM] = emit_gemm, [EK_REDUCE] = c_emit_reduce, [EK_NORM_FWD] = c_emit_norm_fwd,
+               [EK_NORM_BWD] = c_emit_norm_bwd, [EK_SOFTMAX] = c_emit_softmax, [EK_EMBED] = c_emit_embed,
+               [EK_EMBED_BWD] = c_emit_embed_bwd, [EK_ROPE] = c_emit_rope, [EK_MAX_BWD] = c_emit_max_bwd,
+               [EK_TOPK] = c_emit_topk, [EK_GATHER] = c_emit_gather, [EK_SCATTER] = c_emit_scatter,
+               [EK_ATTN_MASK] = c_emit_attn_mask, [EK_ATTENTION] = c_emit_attention,
+               [EK_ATTENTION_BWD] = c_emit_attention_bwd, [EK_CE] = c_emit_ce, [EK_LMHEAD] = c_emit_lmhead,
+               [EK_OPTIMIZER] = c_emit_optimizer},
+};
 
 char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   const Graph *g = f->g;
   size_t n = (size_t)g->n;
-  Emit e = {.core = {.f = f, .m = m, .g = g, .a = arena_new(), .val = core_val, .seed = core_seed, .base = core_base,
-                     .fp8_cast = core_fp8_cast, .ixt = "int64_t"}};
-  e.core.in_step = ec_xcalloc(n, sizeof *e.core.in_step);
-  e.core.grp = ec_xcalloc(n, sizeof *e.core.grp);
-  e.core.spill = ec_xcalloc(n, sizeof *e.core.spill);
-  e.core.post_bad = ec_xcalloc(n, sizeof *e.core.post_bad);
-  e.core.written = ec_xcalloc(n, sizeof *e.core.written);
-  e.core.scratch = ec_xcalloc(n, sizeof *e.core.scratch);
+  Emit e = {0};
+  ew_open(&e.core, &c_target, f, m);
   e.declared = ec_xcalloc(n, sizeof *e.declared);
-  e.core.stored = ec_xcalloc(n, sizeof *e.core.stored);
-  e.core.host = ec_xcalloc(n, sizeof *e.core.host);
-  e.core.phase_nodes = ec_xcalloc(n, sizeof *e.core.phase_nodes);
-  e.core.pending = ec_xcalloc(n, sizeof *e.core.pending);
   e.decls = ec_xcalloc(n, sizeof *e.decls);
-  for (size_t i = 0; i < n; i++)
-    e.core.grp[i] = -1;
 
   ec_bput(&e.out, "// Generated by mdlc %s from %s: do not edit.\n", MDL_VERSION, source_path ? source_path : "?");
   ec_bput(&e.out,
@@ -865,7 +441,7 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   const char **names = ec_xcalloc((size_t)f->nsteps + 1, sizeof *names);
   Kernel *ks = ec_xcalloc((size_t)f->nsteps + 1, sizeof *ks);
   for (int si = 0; si < f->nsteps; si++) {
-    names[si] = kernel_name(&e, f->steps[si].name, si, names);
+    names[si] = ew_kernel_name(&e.core, f->steps[si].name, si, names);
     if (!emit_kernel(&e, si, names[si], &ks[si]))
       break;
   }
@@ -920,22 +496,9 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   free(ks);
   free(names);
   free(e.out.s);
-  free(e.core.body.s);
   free(e.notes.s);
-  free(e.core.memo);
-  free(e.core.ixm);
-  free(e.core.in_step);
-  free(e.core.grp);
-  free(e.core.spill);
-  free(e.core.post_bad);
-  free(e.core.written);
-  free(e.core.scratch);
   free(e.declared);
-  free(e.core.stored);
-  free(e.core.host);
-  free(e.core.phase_nodes);
-  free(e.core.pending);
   free(e.decls);
-  arena_free(e.core.a);
+  ew_close(&e.core);
   return text;
 }

@@ -2,7 +2,7 @@
 // See emit_c.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
-#include "backend.h"
+#include "emit_walk.h"
 #include "emit_c_impl.h"
 
 #include <math.h>
@@ -604,7 +604,8 @@ static void attn_outputs_done(Emit *e, int a, bool f32, const int *casts, int nc
 // query row, computes the scores of the allowed keys, their softmax and the weighted sum of values;
 // never a T x T matrix. With its ATTENTION_LSE (rule 3 of fuse.c) each row's log-sum-exp is stored as
 // well; alone (no fusion), the ATTENTION_LSE computes the scores and their statistics only.
-void c_emit_attention(Emit *e, int gi) {
+void c_emit_attention(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a, lse;
   ec_attention_members(&e->core, gi, &a, &lse);
   const IrNode *nd = ec_node(&e->core, a >= 0 ? a : lse);
@@ -613,7 +614,7 @@ void c_emit_attention(Emit *e, int gi) {
   bool causal = nd->ia[1], has_doc = nd->ia[2];
   Rows q = c_rows_of(e, nd->in[0]), k = c_rows_of(e, nd->in[1]), v = a >= 0 ? c_rows_of(e, nd->in[2]) : (Rows){0};
   int doc = has_doc ? ec_need(&e->core, nd->in[3]) : -1;
-  c_flush(e);
+  ew_flush(&e->core);
   // The bf16 roundings of the output that this step holds (rule 9) are stored here too; the f32
   // output only when something reads it.
   int casts[4], ncast = 0;
@@ -666,7 +667,8 @@ void c_emit_attention(Emit *e, int gi) {
 // ATTENTION_BWD siblings: one task per (batch, head), so its dq, dk and dv rows are written by that
 // task alone; dk and dv build up in per-thread [T][D] blocks copied out at the end of the task. The
 // probabilities of each query row are recomputed from its scores and the forward's log-sum-exp.
-void c_emit_attention_bwd(Emit *e, int gi) {
+void c_emit_attention_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
   Shape s = ec_node(&e->core, nd->in[0])->shape;
@@ -682,12 +684,8 @@ void c_emit_attention_bwd(Emit *e, int gi) {
   int doc = has_doc ? ec_need(&e->core, nd->in[3]) : -1;
   Rows dout = c_rows_of(e, att_bwd_dout(nd)), o = ds ? c_rows_of(e, att_bwd_out(nd)) : (Rows){0};
   int lse = ec_need(&e->core, att_bwd_lse(nd));
-  c_flush(e);
-  for (int i = 0; i < 3; i++)
-    if (out[i] >= 0 && ec_offset(&e->core, out[i]) < 0)
-      e->core.scratch[out[i]] = true;
+  ew_outputs_open(&e->core, out, 3);
   const char *sc = c_flit(e, nd->fa[0]);
-  ec_phase_begin(&e->core);
   c_note(e, "attention backward (%s%s%s): B %lld, T %lld, %lld heads of %lld%s%s%s; one task per (batch, %s)",
          out[0] >= 0 ? "dq " : "", out[1] >= 0 ? "dk " : "", out[2] >= 0 ? "dv" : "", (long long)nb, (long long)nt,
          (long long)heads, (long long)d, causal ? ", causal" : "", has_doc ? ", within documents" : "",
@@ -695,10 +693,7 @@ void c_emit_attention_bwd(Emit *e, int gi) {
   if (attn_by_gemm(nt, d)) {
     attn_gemm_kernel(e, &(AttnGemm){.nd = nd, .lse = lse, .doc = doc, .out = out, .q = q, .k = k, .v = v,
                                     .dout = dout, .o = o});
-    for (int i = 0; i < 3; i++)
-      if (out[i] >= 0)
-        ec_phase_done(&e->core, out[i]);
-    ec_phase_end(&e->core);
+    ew_outputs_done(&e->core, out, 3);
     return;
   }
   Tmp tmp[6];
@@ -785,8 +780,5 @@ void c_emit_attention_bwd(Emit *e, int gi) {
               (long long)d);
     }
   emit_attn_close(e, tmp, ntmp);
-  for (int i = 0; i < 3; i++)
-    if (out[i] >= 0)
-      ec_phase_done(&e->core, out[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, out, 3);
 }

@@ -2,7 +2,7 @@
 // of rows). See emit_c.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
-#include "backend.h"
+#include "emit_walk.h"
 #include "emit_c_impl.h"
 
 #include <math.h>
@@ -72,7 +72,8 @@ static void ce_row(Emit *e, const char *what, int64_t v, bool x16, const char *l
 }
 
 // CROSS_ENTROPY and / or CROSS_ENTROPY_BWD over the same logits: one pass per row.
-void c_emit_ce(Emit *e, int gi) {
+void c_emit_ce(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   int ce = -1, ceb = -1;
   for (int i = 0; i < gr->nmem; i++)
@@ -81,11 +82,7 @@ void c_emit_ce(Emit *e, int gi) {
   int64_t v = ec_last_dim(&e->core, nd->in[0]), rows = ec_numel(&e->core, nd->in[1]);
   int lg = ec_need(&e->core, nd->in[0]), tg = ec_need(&e->core, nd->in[1]),
       dl = ceb >= 0 ? ec_need(&e->core, ec_node(&e->core, ceb)->in[2]) : -1;
-  c_flush(e);
-  for (int i = 0; i < gr->nmem; i++)
-    if (ec_offset(&e->core, gr->mem[i]) < 0)
-      e->core.scratch[gr->mem[i]] = true;
-  ec_phase_begin(&e->core);
+  ew_outputs_open(&e->core, gr->mem, gr->nmem);
   c_note(e, "cross-entropy%s: %lld rows of %lld", ceb >= 0 ? (ce >= 0 ? " and its gradient" : " gradient") : "",
          (long long)rows, (long long)v);
   c_par_for(e, rows * v, "static");
@@ -98,9 +95,7 @@ void c_emit_ce(Emit *e, int gi) {
   ce_row(e, "cross_entropy", v, x16, ce >= 0 ? c_str(e, "b%d[r]", c_ptr(e, ce)) : NULL, ceb >= 0 ? "dx" : NULL,
          dl >= 0 ? c_str(e, "b%d[r]", c_ptr(e, dl)) : NULL, false, false, NULL);
   ec_leave(&e->core);
-  for (int i = 0; i < gr->nmem; i++)
-    ec_phase_done(&e->core, gr->mem[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, gr->mem, gr->nmem);
 }
 
 // One pass of the LM head's chunks (see c_emit_lmhead), its GEMMs through gemm: mdl_gemm on f32 x and W
@@ -160,12 +155,13 @@ static void lmhead_chunks(Emit *e, const Group *gr, int64_t n, int64_t c, int64_
 // operands, the logits are rounded to bf16 values before the loss reads them (their CAST, lc), and
 // dlogits rounded to bf16 values; the GEMMs run on the library's bf16 GEMM where the runtime has one,
 // else on x and W widened to f32 once for all the chunks.
-void c_emit_lmhead(Emit *e, int gi) {
+void c_emit_lmhead(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   const IrNode *xm = ec_node(&e->core, gr->x);
   int64_t n = xm->shape.d[0], c = xm->shape.d[1], v = ec_last_dim(&e->core, gr->mm);
   int x = ec_need(&e->core, gr->x), w = ec_need(&e->core, gr->w);
-  c_flush(e);
+  ew_flush(&e->core);
   int outs[3] = {gr->ce, gr->dx, gr->dw}, nout = gr->ceb >= 0 ? 3 : 1;
   for (int i = 0; i < nout; i++)
     if (ec_offset(&e->core, outs[i]) < 0)
@@ -202,7 +198,5 @@ void c_emit_lmhead(Emit *e, int gi) {
   c_free_widened(e, wide, nwide);
   if (b16)
     ec_leave(&e->core);
-  for (int i = 0; i < nout; i++)
-    ec_phase_done(&e->core, outs[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, outs, nout);
 }

@@ -2,7 +2,7 @@
 // segment: AdamW, SGD or Lion). See emit_c.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
-#include "backend.h"
+#include "emit_walk.h"
 #include "emit_c_impl.h"
 
 #include <math.h>
@@ -15,25 +15,11 @@
 // place, and the parameter's bf16 copy (fuse.c, rule 11) rounded from the new p. Each segment has
 // its weight decay and its multiplier of lr (lr_scale). With ZeRO stage 1 (--zero 1) the runtime's
 // hooks name the parameters this rank updates (own_lo, own_end: arena bytes); the others are skipped.
-void c_emit_optimizer(Emit *e, int gi) {
+void c_emit_optimizer(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   int gn = -1;
-  for (int i = 0; i < gr->nmem; i++)
-    if (ec_node(&e->core, gr->mem[i])->op == OP_GRAD_NORM) {
-      const IrNode *nd = ec_node(&e->core, gr->mem[i]);
-      for (int k = 0; k < nd->nin; k++)
-        ec_need(&e->core, nd->in[k]);
-    }
-  for (int i = 0; i < gr->nmem; i++) {
-    const IrNode *nd = ec_node(&e->core, gr->mem[i]);
-    if (nd->op != OP_ADAMW)
-      continue;
-    for (int k = 1; k < nd->nin; k++)
-      if (nd->in[k] != opt_gnorm(nd) || e->core.grp[ec_canon(&e->core, opt_gnorm(nd))] != gi)
-        ec_need(&e->core, nd->in[k]);
-  }
-  c_flush(e);
-  ec_phase_begin(&e->core);
+  ew_opt_open(&e->core, gi);
   for (int i = 0; i < gr->nmem; i++) {
     const IrNode *nd = ec_node(&e->core, gr->mem[i]);
     if (nd->op != OP_GRAD_NORM)
@@ -63,32 +49,16 @@ void c_emit_optimizer(Emit *e, int gi) {
     const IrNode *a = ec_node(&e->core, gr->mem[i]);
     if (done[i] || a->op != OP_ADAMW)
       continue;
-    int *seg = ec_xcalloc((size_t)gr->nmem, sizeof *seg), ns = 0;
-    int64_t total = 0;
-    for (int j = i; j < gr->nmem; j++) {
-      const IrNode *b = ec_node(&e->core, gr->mem[j]);
-      if (done[j] || b->op != OP_ADAMW || b->ia[0] != a->ia[0] || b->nin != a->nin ||
-          memcmp(a->fa, b->fa, sizeof(double) * 3) || a->fa[4] != b->fa[4])
-        continue;
-      bool same = true;
-      for (int k = a->nin - 3; k < a->nin; k++)
-        same &= ec_canon(&e->core, a->in[k]) == ec_canon(&e->core, b->in[k]);
-      if (!same)
-        continue;
-      done[j] = true;
-      seg[ns++] = gr->mem[j];
-      total += ec_numel(&e->core, gr->mem[j]);
-    }
+    int *seg = ec_xcalloc((size_t)gr->nmem, sizeof *seg);
+    int64_t total;
+    int ns = ew_opt_segments(&e->core, gi, i, done, seg, &total);
     OptRule rule = (OptRule)a->ia[0];
     int ncol = a->nin - 3; // p, g and the moments (Muon: m and the orthogonalised update as v)
     int gnorm = ec_need(&e->core, opt_gnorm(a)), lr = ec_need(&e->core, opt_lr(a)), step = ec_need(&e->core, opt_step(a));
     int ncopies = 0;
     for (int j = 0; j < ns; j++)
       ncopies += e->core.f->copy_of[ec_canon(&e->core, ec_node(&e->core, seg[j])->in[0])] >= 0;
-    const char *hyper = rule == OPT_SGD ? ec_str(&e->core, "momentum %g%s", a->fa[0], a->fa[1] != 0 ? ", Nesterov" : "")
-                        : rule == OPT_LION ? ec_str(&e->core, "beta1 %g, beta2 %g", a->fa[0], a->fa[1])
-                        : rule == OPT_MUON ? ec_str(&e->core, "momentum %g", a->fa[0])
-                        : ec_str(&e->core, "beta1 %g, beta2 %g, eps %g", a->fa[0], a->fa[1], a->fa[2]);
+    const char *hyper = ew_opt_hyper(&e->core, a);
     c_note(e, "%s over %d parameters, %lld values (%s, clip %g)%s",
            rule == OPT_SGD ? "SGD" : rule == OPT_LION ? "Lion" : rule == OPT_MUON ? "Muon" : "AdamW", ns,
            (long long)total, hyper, a->fa[4], ncopies ? ec_str(&e->core, "; %d bf16 copies", ncopies) : "");

@@ -2,7 +2,7 @@
 // embed and its backward, rope, masks). See emit_c.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
-#include "backend.h"
+#include "emit_walk.h"
 #include "emit_c_impl.h"
 
 #include <math.h>
@@ -20,94 +20,69 @@ static void accumulate(Emit *e, bool max) {
   }
 }
 
-// Output r of a reduction from its accumulator: stored, then the outputs computed after it.
-static void reduce_finish(Emit *e, int a, bool buf, const int *q, int nq) {
-  const IrNode *nd = ec_node(&e->core, a);
-  int64_t len = ec_node(&e->core, nd->in[0])->shape.d[nd->ia[0]];
-  if (nd->op == OP_MEAN)
-    ec_line(&e->core, "const float y = (float)(acc / %lld);", (long long)len);
-  else if (nd->op == OP_TARGET_COUNT)
-    ec_line(&e->core, "const float y = (float)(acc > 1.0 ? acc : 1.0);");
-  else
-    ec_line(&e->core, "const float y = (float)acc;");
-  if (buf)
-    ec_line(&e->core, "b%d[r] = y;", c_ptr(e, a));
-  c_post_inloop(e, a, q, nq, "r", ec_numel(&e->core, a), "y");
-}
-
 // SUM / MEAN / MAX over one axis, the input computed inline; TARGET_COUNT as a sum over all its
 // targets of 1 for each counted one. Many outputs: one task per output. Few outputs over many
 // elements: partial results per fixed block of the reduced axis (of rows, for column sums), combined
 // in block order.
-void c_emit_reduce(Emit *e, int gi, const bool *emitted) {
-  int a = e->core.groups[gi].mem[0];
-  const IrNode *nd = ec_node(&e->core, a);
-  int x = nd->in[0];
-  Shape s = ec_node(&e->core, x)->shape;
-  if (nd->op == OP_TARGET_COUNT) // (over every target)
-    s = (Shape){.rank = 1, .d = {ec_numel(&e->core, x)}};
-  int ax = (int)nd->ia[0];
-  int64_t outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank), on = outer * inner;
-  bool max = nd->op == OP_MAX, buf = c_whole(e, a);
-  int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, on, emitted, q);
-  int *side = ec_xcalloc((size_t)e->core.g->n, sizeof *side);
-  int nside = ec_side_set(&e->core, gi, ec_numel(&e->core, x), emitted, side);
-  const char *acc_t = max ? "float" : "double", *init = max ? "-INFINITY" : "0.0";
-  ec_phase_begin(&e->core);
-  if ((inner == 1 && (outer >= 16 || len < 4096)) || (inner > 1 && outer > 1)) {
-    c_note(e, "%s %%%d: %lld outputs, each over %lld elements", op_name(nd->op), a, (long long)on, (long long)len);
-    c_par_for(e, on * len, "static");
-    ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)on);
-    if (inner == 1)
-      ec_line(&e->core, "const int64_t base = r * %lld;", (long long)len);
+void c_emit_reduce(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
+  EwReduce rd;
+  ew_reduce_open(&e->core, gi, &rd);
+  const char *init = rd.max ? "-INFINITY" : "0.0";
+  if ((rd.inner == 1 && (rd.outer >= 16 || rd.len < 4096)) || (rd.inner > 1 && rd.outer > 1)) {
+    c_note(e, "%s %%%d: %lld outputs, each over %lld elements", op_name(rd.nd->op), rd.a, (long long)rd.on,
+           (long long)rd.len);
+    c_par_for(e, rd.on * rd.len, "static");
+    ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rd.on);
+    if (rd.inner == 1)
+      ec_line(&e->core, "const int64_t base = r * %lld;", (long long)rd.len);
     else
-      ec_line(&e->core, "const int64_t base = r / %lld * %lld + r %% %lld;", (long long)inner, (long long)(len * inner),
-              (long long)inner);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
-    ec_enter(&e->core, "for (int64_t l = 0; l < %lld; l++)", (long long)len);
-    if (inner == 1)
+      ec_line(&e->core, "const int64_t base = r / %lld * %lld + r %% %lld;", (long long)rd.inner,
+              (long long)(rd.len * rd.inner), (long long)rd.inner);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
+    ec_enter(&e->core, "for (int64_t l = 0; l < %lld; l++)", (long long)rd.len);
+    if (rd.inner == 1)
       ec_line(&e->core, "const int64_t ix = base + l;");
     else
-      ec_line(&e->core, "const int64_t ix = base + l * %lld;", (long long)inner);
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
-    ec_reduce_input(&e->core, a, side, nside);
-    accumulate(e, max);
+      ec_line(&e->core, "const int64_t ix = base + l * %lld;", (long long)rd.inner);
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, rd.x);
+    ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
-    reduce_finish(e, a, buf, q, nq);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
   } else {
-    bool col = inner > 1;
-    int64_t bl = (len + 63) / 64, least = col ? 16 : 1024;
+    bool col = rd.inner > 1;
+    int64_t bl = (rd.len + 63) / 64, least = col ? 16 : 1024;
     if (bl < least)
       bl = least;
-    int64_t nb = (len + bl - 1) / bl;
-    c_note(e, "%s %%%d: %lld outputs over %lld elements, in %lld blocks of %lld", op_name(nd->op), a, (long long)on,
-           (long long)len, (long long)nb, (long long)bl);
+    int64_t nb = (rd.len + bl - 1) / bl;
+    c_note(e, "%s %%%d: %lld outputs over %lld elements, in %lld blocks of %lld", op_name(rd.nd->op), rd.a,
+           (long long)rd.on, (long long)rd.len, (long long)nb, (long long)bl);
     ec_enter(&e->core, "%s", ""); // (a scope of its own: a kernel may hold several such reductions)
-    ec_line(&e->core, "%s *part = mdl_scratch(%lld * sizeof(%s));", acc_t, (long long)(nb * on), acc_t);
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
+    ec_line(&e->core, "%s *part = mdl_scratch(%lld * sizeof(%s));", rd.acc_t, (long long)(nb * rd.on), rd.acc_t);
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, rd.x);
     if (col) {
-      c_par_for(e, len * inner, "static");
+      c_par_for(e, rd.len * rd.inner, "static");
       ec_enter(&e->core, "for (int64_t k = 0; k < %lld; k++)", (long long)nb);
-      ec_line(&e->core, "%s *p = part + k * %lld;", acc_t, (long long)inner);
-      ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)inner);
+      ec_line(&e->core, "%s *p = part + k * %lld;", rd.acc_t, (long long)rd.inner);
+      ec_line(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)rd.inner);
       ec_line(&e->core, "  p[c] = %s;", init);
       ec_line(&e->core, "const int64_t end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", (long long)bl,
-              (long long)bl, (long long)len, (long long)bl, (long long)bl, (long long)len);
+              (long long)bl, (long long)rd.len, (long long)bl, (long long)bl, (long long)rd.len);
       ec_enter(&e->core, "for (int64_t l = k * %lld; l < end; l++)", (long long)bl);
-      ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)inner);
-      ec_line(&e->core, "const int64_t ix = l * %lld + c;", (long long)inner);
+      ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)rd.inner);
+      ec_line(&e->core, "const int64_t ix = l * %lld + c;", (long long)rd.inner);
       e->core.row_ix = "ix";
       e->core.row_r = "l";
-      e->core.row_w = inner;
-      ec_reduce_input(&e->core, a, side, nside);
+      e->core.row_w = rd.inner;
+      ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
       e->core.row_ix = NULL;
-      if (max) {
+      if (rd.max) {
         ec_line(&e->core, "float acc = p[c];");
-        accumulate(e, max);
+        accumulate(e, rd.max);
         ec_line(&e->core, "p[c] = acc;");
       } else {
         ec_line(&e->core, "p[c] += v;");
@@ -116,56 +91,56 @@ void c_emit_reduce(Emit *e, int gi, const bool *emitted) {
       ec_leave(&e->core);
       ec_leave(&e->core);
     } else {
-      c_par_for(e, on * len, "static");
-      ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)(on * nb));
+      c_par_for(e, rd.on * rd.len, "static");
+      ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)(rd.on * nb));
       ec_line(&e->core, "const int64_t r = t / %lld, l0 = t %% %lld * %lld;", (long long)nb, (long long)nb,
               (long long)bl);
-      ec_line(&e->core, "const int64_t end = l0 + %lld < %lld ? l0 + %lld : %lld;", (long long)bl, (long long)len,
-              (long long)bl, (long long)len);
-      ec_line(&e->core, "%s acc = %s;", acc_t, init);
+      ec_line(&e->core, "const int64_t end = l0 + %lld < %lld ? l0 + %lld : %lld;", (long long)bl, (long long)rd.len,
+              (long long)bl, (long long)rd.len);
+      ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
       ec_enter(&e->core, "for (int64_t l = l0; l < end; l++)");
-      ec_line(&e->core, "const int64_t ix = r * %lld + l;", (long long)len);
-      ec_reduce_input(&e->core, a, side, nside);
-      accumulate(e, max);
+      ec_line(&e->core, "const int64_t ix = r * %lld + l;", (long long)rd.len);
+      ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+      accumulate(e, rd.max);
       ec_leave(&e->core);
       ec_line(&e->core, "part[t] = acc;");
       ec_leave(&e->core);
     }
-    c_par_for(e, on * nb * (nq + 1), "static");
-    ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)on);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
+    c_par_for(e, rd.on * nb * (rd.nq + 1), "static");
+    ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rd.on);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
     ec_enter(&e->core, "for (int64_t k = 0; k < %lld; k++)", (long long)nb);
     if (col)
-      ec_line(&e->core, "const %s v = part[k * %lld + r];", acc_t, (long long)inner);
+      ec_line(&e->core, "const %s v = part[k * %lld + r];", rd.acc_t, (long long)rd.inner);
     else
-      ec_line(&e->core, "const %s v = part[r * %lld + k];", acc_t, (long long)nb);
-    accumulate(e, max);
+      ec_line(&e->core, "const %s v = part[r * %lld + k];", rd.acc_t, (long long)nb);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
-    reduce_finish(e, a, buf, q, nq);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
     ec_line(&e->core, "mdl_free(part);");
     ec_leave(&e->core);
   }
-  e->loop_ix = NULL;
-  if (buf)
-    ec_phase_done(&e->core, a);
+  e->core.loop_ix = NULL;
+  if (rd.buf)
+    ec_phase_done(&e->core, rd.a);
   ec_phase_end(&e->core);
-  free(q);
-  free(side);
+  ew_reduce_close(&rd);
 }
 
 // LAYERNORM / RMSNORM forward, one row per iteration; x (the residual sum) computed inline.
-void c_emit_norm_fwd(Emit *e, int gi, const bool *emitted) {
+void c_emit_norm_fwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   bool ln = nd->op == OP_LAYERNORM;
   int64_t cols = ec_last_dim(&e->core, a), rows = ec_numel(&e->core, a) / cols;
   bool xin = c_row_inline(e, nd->in[0]);
   int w = ec_need(&e->core, nd->in[1]), bias = ln ? ec_need(&e->core, nd->in[2]) : -1;
-  c_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
-  bool buf = c_whole(e, a);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), e->core.emitted, q);
+  bool buf = ew_whole(&e->core, a);
   Tmp tmp[2];
   int ntmp = 0;
   if (xin)
@@ -206,11 +181,11 @@ void c_emit_norm_fwd(Emit *e, int gi, const bool *emitted) {
   if (nq) {
     ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
     ec_line(&e->core, "const int64_t ix = r * %lld + j;", (long long)cols);
-    c_post_inloop(e, a, q, nq, "ix", ec_numel(&e->core, a), "y[j]");
+    ew_post_inloop(&e->core, a, q, nq, "ix", ec_numel(&e->core, a), "y[j]");
     ec_leave(&e->core);
   }
   c_rows_close(e, tmp, ntmp);
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   if (buf)
     ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
@@ -219,7 +194,8 @@ void c_emit_norm_fwd(Emit *e, int gi, const bool *emitted) {
 
 // LAYERNORM_BWD / RMSNORM_BWD siblings: dx per row; dw (and db) as column sums in double over fixed
 // blocks of rows, added in block order.
-void c_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
+void c_emit_norm_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
   bool ln = nd->op == OP_LAYERNORM_BWD;
@@ -228,10 +204,10 @@ void c_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   int64_t cols = ec_last_dim(&e->core, x), rows = ec_numel(&e->core, x) / cols;
   bool xin = c_row_inline(e, x), dyin = c_row_inline(e, dy);
   int w = ec_need(&e->core, nd->in[1]);
-  c_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), emitted, q) : 0;
-  bool dxbuf = dx >= 0 && c_whole(e, dx);
+  int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), e->core.emitted, q) : 0;
+  bool dxbuf = dx >= 0 && ew_whole(&e->core, dx);
   bool cols_sum = dw >= 0 || db >= 0 || nsum > 0;
   Tmp tmp[3];
   int ntmp = 0;
@@ -327,7 +303,7 @@ void c_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     if (nq || nsum) {
       ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
       ec_line(&e->core, "const int64_t ix = r * %lld + j;", (long long)cols);
-      c_post_inloop(e, dx, q, nq, "ix", ec_numel(&e->core, dx), "dx[j]");
+      ew_post_inloop(&e->core, dx, q, nq, "ix", ec_numel(&e->core, dx), "dx[j]");
       for (int i = 0; i < nsum; i++)
         ec_line(&e->core, "sa%d[j] += %s;", i, e->core.val(&e->core, ec_node(&e->core, sums[i])->in[0], "ix"));
       ec_leave(&e->core);
@@ -370,7 +346,7 @@ void c_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     for (int i = 0; i < nsum; i++)
       ec_line(&e->core, "mdl_free(ps%d);", i);
   }
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   if (dxbuf)
     ec_phase_done(&e->core, dx);
   if (dw >= 0)
@@ -383,58 +359,18 @@ void c_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
   free(q);
 }
 
-// Declares `double sum`, the sum over j in [0, n) of ej = `expr` (stored in dst[j] too unless dst is
-// NULL): 16 f32 lanes by the element's place in a block of 256, each block's lanes added into 16
-// double lanes, then a fixed tree. The order depends on n alone (not on the alignment that a vector
-// loop peels for), the f32 part of each lane sums 16 terms, and the loop vectorizes: a sum in double
-// lanes halves the vector width and measured 5-6x slower on the LM head's rows, GCC keeping each
-// element's exp in scalar code.
-void c_exp_sum(Emit *e, int64_t n, const char *expr, const char *dst) {
-  ec_line(&e->core, "double sum;");
-  ec_enter(&e->core, "%s", "");
-  ec_line(&e->core, "double lane[16] = {0};");
-  ec_enter(&e->core, "for (int64_t j0 = 0; j0 < %lld; j0 += 256)", (long long)n);
-  ec_line(&e->core, "const int64_t j1 = j0 + 256 < %lld ? j0 + 256 : %lld;", (long long)n, (long long)n);
-  ec_line(&e->core, "float part[16] = {0};");
-  ec_line(&e->core, "int64_t k = j0;");
-  ec_enter(&e->core, "for (; k + 16 <= j1; k += 16)");
-  ec_enter(&e->core, "for (int64_t u = 0; u < 16; u++)");
-  ec_line(&e->core, "const int64_t j = k + u;");
-  ec_line(&e->core, "const float ej = %s;", expr);
-  if (dst)
-    ec_line(&e->core, "%s[j] = ej;", dst);
-  ec_line(&e->core, "part[u] += ej;");
-  ec_leave(&e->core);
-  ec_leave(&e->core);
-  if (n % 16) { // the last block's tail (emitted only where there is one: GCC warns of part[] overrun)
-    ec_enter(&e->core, "for (int64_t j = k; j < j1; j++)");
-    ec_line(&e->core, "const float ej = %s;", expr);
-    if (dst)
-      ec_line(&e->core, "%s[j] = ej;", dst);
-    ec_line(&e->core, "part[j - k] += ej;");
-    ec_leave(&e->core);
-  }
-  ec_line(&e->core, "for (int u = 0; u < 16; u++)");
-  ec_line(&e->core, "  lane[u] += part[u];");
-  ec_leave(&e->core);
-  ec_line(&e->core, "for (int w = 8; w > 0; w /= 2)");
-  ec_line(&e->core, "  for (int u = 0; u < w; u++)");
-  ec_line(&e->core, "    lane[u] += lane[u + w];");
-  ec_line(&e->core, "sum = lane[0];");
-  ec_leave(&e->core);
-}
-
 // SOFTMAX (x) or SOFTMAX_BWD (y, dy) over the last axis, one row per iteration.
-void c_emit_softmax(Emit *e, int gi, const bool *emitted) {
+void c_emit_softmax(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   bool bwd = nd->op == OP_SOFTMAX_BWD;
   int64_t cols = ec_last_dim(&e->core, a), rows = ec_numel(&e->core, a) / cols;
   bool in0 = c_row_inline(e, nd->in[0]), in1 = bwd && c_row_inline(e, nd->in[1]);
-  c_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
-  bool buf = c_whole(e, a);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), e->core.emitted, q);
+  bool buf = ew_whole(&e->core, a);
   Tmp tmp[3] = {{0}};
   int ntmp = 0;
   if (in0)
@@ -474,27 +410,25 @@ void c_emit_softmax(Emit *e, int gi, const bool *emitted) {
   if (nq) {
     ec_enter(&e->core, "for (int64_t j = 0; j < %lld; j++)", (long long)cols);
     ec_line(&e->core, "const int64_t ix = r * %lld + j;", (long long)cols);
-    c_post_inloop(e, a, q, nq, "ix", ec_numel(&e->core, a), "out[j]");
+    ew_post_inloop(&e->core, a, q, nq, "ix", ec_numel(&e->core, a), "out[j]");
     ec_leave(&e->core);
   }
   c_rows_close(e, tmp, ntmp);
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   if (buf)
     ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
   free(q);
 }
 
-void c_emit_embed(Emit *e, int gi) {
+void c_emit_embed(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = ec_node(&e->core, nd->in[0])->shape.d[0], c = ec_last_dim(&e->core, a), rows = ec_numel(&e->core, a) / c;
   int tab = ec_need(&e->core, nd->in[0]), ids = ec_need(&e->core, nd->in[1]);
-  c_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
+  ew_anchor_open(&e->core, a);
   e->uses_h = true;
-  ec_phase_begin(&e->core);
   c_note(e, "embed: %lld rows of %lld from a table of %lld", (long long)rows, (long long)c, (long long)v);
   c_par_for(e, rows * c, "static");
   ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)rows);
@@ -549,13 +483,14 @@ static int embed_bwd_add(Emit *e, int a, int *x) {
 // plus the embedding's), the sums go straight into y, which becomes x + y on those rows and x on the
 // others, and a has no table of its own: GPT-2 124M's zeroed scratch of 154 MB, its pass and the add's
 // read of it took 110-225 ms a step, now 12.
-void c_emit_embed_bwd(Emit *e, int gi) {
+void c_emit_embed_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = nd->shape.d[0], c = nd->shape.d[1], rows = ec_numel(&e->core, nd->in[0]);
   int ids = ec_need(&e->core, nd->in[0]), dy = ec_need(&e->core, nd->in[1]);
   int x = -1, add = embed_bwd_add(e, a, &x);
-  c_flush(e);
+  ew_flush(&e->core);
   int out = add >= 0 ? add : a;
   if (ec_offset(&e->core, out) < 0)
     e->core.scratch[out] = true;
@@ -617,17 +552,15 @@ void c_emit_embed_bwd(Emit *e, int gi) {
 }
 
 // ROPE: per row, the angles of the D/2 pairs once, applied to every head.
-void c_emit_rope(Emit *e, int gi) {
+void c_emit_rope(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = nd->shape;
   int64_t rows = s.d[0] * s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads;
   Rows x = c_rows_of(e, nd->in[0]);
   int pos = ec_need(&e->core, nd->in[1]);
-  c_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "rope%s: %lld rows, %lld heads of %lld", nd->ia[1] ? " (inverse)" : "", (long long)rows,
          (long long)heads, (long long)d);
   c_par_for(e, rows * nc * 4, "static");
@@ -661,15 +594,13 @@ static const char *attn_mask_cond(Emit *e, const IrNode *nd) {
 
 // ATTENTION_MASK ([doc]) -> [B or 1, 1, T, T]: 0 where query i may see key j, -inf where not; a row of
 // keys per (batch, query).
-void c_emit_attn_mask(Emit *e, int gi) {
+void c_emit_attn_mask(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t rows = nd->shape.d[0] * nd->shape.d[2], nt = nd->shape.d[3];
   int doc = nd->ia[1] ? ec_need(&e->core, nd->in[0]) : -1;
-  c_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "attention mask: %lld rows of %lld keys%s%s", (long long)rows, (long long)nt, nd->ia[0] ? ", causal" : "",
          doc >= 0 ? ", within documents" : "");
   c_par_for(e, rows * nt, "static");
@@ -688,17 +619,15 @@ void c_emit_attn_mask(Emit *e, int gi) {
 }
 
 // MAX_BWD (x, y, dy): the gradient goes to the maxima, shared evenly between ties.
-void c_emit_max_bwd(Emit *e, int gi) {
+void c_emit_max_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = nd->shape;
   int ax = (int)nd->ia[0];
   int64_t outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
   int x = ec_need(&e->core, nd->in[0]), y = ec_need(&e->core, nd->in[1]), dy = ec_need(&e->core, nd->in[2]);
-  c_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "max backward: %lld outputs over %lld elements", (long long)(outer * inner), (long long)len);
   c_par_for(e, outer * len * inner, "static");
   ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)(outer * inner));
@@ -719,17 +648,15 @@ void c_emit_max_bwd(Emit *e, int gi) {
 
 // TOPK: per line along the axis, the k first positions in TOPK's order, found one by one (the next is
 // the first of those after the last one found), as the interpreter does; parallel over the lines.
-void c_emit_topk(Emit *e, int gi) {
+void c_emit_topk(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = ec_node(&e->core, nd->in[0])->shape;
   int ax = (int)nd->ia[0];
   int64_t k = nd->ia[1], outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
   int x = ec_need(&e->core, nd->in[0]);
-  c_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "topk: the %lld largest of %lld lines of %lld", (long long)k, (long long)(outer * inner), (long long)len);
   c_par_for(e, outer * len * inner * k, "static");
   ec_enter(&e->core, "for (int64_t c = 0; c < %lld; c++)", (long long)(outer * inner));
@@ -758,7 +685,8 @@ void c_emit_topk(Emit *e, int gi) {
 }
 
 // GATHER: one output element per iteration; an index outside the axis reads 0.
-void c_emit_gather(Emit *e, int gi) {
+void c_emit_gather(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = nd->shape;
@@ -766,10 +694,7 @@ void c_emit_gather(Emit *e, int gi) {
   int64_t n = ec_numel(&e->core, a), ylen = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
   int64_t xlen = ec_node(&e->core, nd->in[0])->shape.d[ax];
   int x = ec_need(&e->core, nd->in[0]), idx = ec_need(&e->core, nd->in[1]);
-  c_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "gather: %lld values along an axis of %lld", (long long)n, (long long)xlen);
   c_par_for(e, n, "static");
   ec_enter(&e->core, "for (int64_t r = 0; r < %lld; r++)", (long long)n);
@@ -784,7 +709,8 @@ void c_emit_gather(Emit *e, int gi) {
 
 // SCATTER_ADD (base, idx, src) and GATHER_BWD (idx, src) over zeros: parallel over the lines along the
 // axis, each line's sources added in order (no two threads add into one element).
-void c_emit_scatter(Emit *e, int gi) {
+void c_emit_scatter(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   bool has_base = nd->op == OP_SCATTER_ADD;
@@ -793,10 +719,7 @@ void c_emit_scatter(Emit *e, int gi) {
   int64_t ylen = ys.d[ax], slen = ss.d[ax], inner = ec_span(ys, ax + 1, ys.rank), lines = ec_span(ys, 0, ax) * inner;
   int base = has_base ? ec_need(&e->core, nd->in[0]) : -1;
   int idx = ec_need(&e->core, nd->in[has_base]), src = ec_need(&e->core, nd->in[has_base + 1]);
-  c_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   c_note(e, "scatter-add: %lld lines, %lld sources into %lld places each", (long long)lines, (long long)slen,
          (long long)ylen);
   c_par_for(e, lines * (ylen + slen), "static");

@@ -1,23 +1,31 @@
 // emit_common.h: what the C and CUDA emitters share (emit_common.c), names prefixed ec_. See
 // emit_common.c for the design.
 //
-// The emitters, file by file:
+// The emitters, file by file, each calling only the files above it in this list:
 //   emit_common.c       what does not depend on the target: where values are, groups and their order,
 //                       lines and scopes, the index maps of the inline evaluator
-//   emit_c.c            the C emitter (C11 + OpenMP): the module and its steps, buffers, the inline
-//                       evaluator, elementwise and row loops, GEMMs
+//   emit_walk.c         the walker, written once: steps and their passes, groups handed to the target's
+//                       kernels, the inline evaluator's walk, elementwise loops' grouping, and what the
+//                       kernel families of every target share (reductions, GEMM shapes, the
+//                       optimizer's tables); it calls a target only through its hooks (emit_walk.h:
+//                       EmitTarget)
+//   emit_c_kit.c        the C target's toolkit: pointers, its evaluator hooks, elementwise and row loops
 //   emit_c_rows.c       its row and reduction loops: sums, norms, softmax, embed, rope, masks
 //   emit_c_lmhead.c     its cross-entropy and LM head
 //   emit_c_attn.c       its attention, forward and backward
 //   emit_c_opt.c        its optimizer
+//   emit_c.c            the C emitter (C11 + OpenMP), emit_c.h: its EmitTarget, GEMMs, the module and its
+//                       steps
 //   emit_c_impl.h       what the emit_c*.c files share (names prefixed c_)
-//   emit_cuda.c         the CUDA emitter: the module, its steps and their launch plan (CudaPlan), kernels
-//                       and their buffers, the inline evaluator, elementwise kernels, GEMMs and epilogues
+//   emit_cuda_kit.c     the CUDA target's toolkit: kernels and their buffers, its evaluator hooks,
+//                       elementwise kernels, row shapes
 //   emit_cuda_rows.c    its row and reduction kernels: sums, norms, softmax, embed, rope, masks
 //   emit_cuda_lmhead.c  its cross-entropy and LM head (the rows: prelude.cuh's mdl_ce_row)
 //   emit_cuda_attn.c    its attention, forward and backward (on tensor cores: prelude.cuh's mdl_att_fwd,
 //                       mdl_att_dq, mdl_att_dkv)
 //   emit_cuda_opt.c     its optimizer (prelude.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_update)
+//   emit_cuda.c         the CUDA emitter, emit_cuda.h: its EmitTarget, GEMMs and epilogues, the module,
+//                       its steps and their launch plan (CudaPlan)
 //   emit_cuda_impl.h    what the emit_cuda*.c files share (names prefixed cu_)
 // and the preludes every emitted module starts with, in runtime/: prelude.h and prelude_bf16.h (C),
 // prelude.cuh (CUDA). The kernel families that are fixed code with parameters are templates there
@@ -98,7 +106,9 @@ typedef struct {
 // Each emitter embeds EmitCore as the first member (`core`) of its own state, so that its hooks may
 // convert the EmitCore pointer they get back to the emitter's state.
 typedef struct EmitCore EmitCore;
+typedef struct EmitTarget EmitTarget; // the target's hooks (emit_walk.h)
 struct EmitCore {
+  const EmitTarget *target;
   // the target's part of the inline evaluator
   const char *(*val)(EmitCore *e, int n, const char *ix); // node n's value at flat index ix (emits what computes it)
   const char *(*seed)(EmitCore *e);                       // the run's seed, for a dropout mask
@@ -135,6 +145,15 @@ struct EmitCore {
   int nphase;
   int *pending;    // nodes to write before the next group
   int npending;
+  const bool *emitted; // the groups emitted before the one being emitted
+
+  // the loop being emitted
+  const char *loop_ix; // its own flat index (stores happen there)
+  int64_t loop_n;      // and the number of elements it visits
+  int post_anchor;     // inside the loop that follows (or is) this anchor's, else -1
+  const char *post_ix;
+  bool post_inloop;    // that loop is the anchor's own loop (its value is a local)
+  int cur_q;           // the output being evaluated there
 
   // the code being built (a function or a kernel)
   Buf body;

@@ -1,13 +1,14 @@
 // emit_cuda.c: the CUDA emitter. It turns the step plan (a Fusion and its MemPlan) into one CUDA C++
 // translation unit for NVRTC (a prelude of our own, runtime/kernels/prelude.cuh, no #include) and a schedule
 // (CudaPlan): the kernel launches and cuBLASLt GEMMs of one training step, in order. This file holds
-// the module, its steps and their launch plan, kernels and their buffers, the inline evaluator,
-// elementwise kernels and GEMMs; the other kernel families are in emit_cuda_rows.c, emit_cuda_lmhead.c,
-// emit_cuda_attn.c and emit_cuda_opt.c (emit_common.h lists them), sharing emit_cuda_impl.h.
+// the module, its steps and their launch plan, and GEMMs with their epilogues; the kernel families are
+// in emit_cuda_rows.c, emit_cuda_lmhead.c, emit_cuda_attn.c and emit_cuda_opt.c, built with the
+// toolkit of emit_cuda_kit.c (kernels and their buffers, the inline evaluator, elementwise kernels,
+// row shapes); emit_common.h lists them, emit_cuda_impl.h is what they share.
 //
 // Design. The emitter mirrors emit_c.c: the same split of a step's nodes into anchors (ops that need
 // a kernel shape of their own) and pointwise nodes, evaluated inline at any flat index by the same
-// evaluator `cu_val` through their index maps; the same groups of anchors (norm backward siblings,
+// evaluator (emit_walk.c's ew_val) through their index maps; the same groups of anchors (norm backward siblings,
 // attention backward, cross-entropy with its gradient, the LM head, the optimizer), emitted in the
 // same order, with the same passes that settle which values a step keeps whole. Where the C emitter
 // opens a loop nest inside one function, this one opens a kernel: a step becomes a short sequence of
@@ -88,6 +89,7 @@
 // e->core.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "emit_cuda.h"
 #include "emit_cuda_impl.h"
 
@@ -114,528 +116,6 @@ _Static_assert(FUSE_MAX_BUFFERS + 2 + EC_MAX_COLSUMS <= CUDA_MAX_ARGS, "room for
 _Static_assert(CUDA_ERR_EMBED_ID == 1 && CUDA_ERR_TARGET == 2, "the prelude's MDL_ERR_* codes");
 
 const char *emit_cuda_prelude(void) { return ec_prelude_cuda; }
-
-static int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
-
-//
-// Lines and scopes.
-//
-
-void cu_note(Emit *e, const char *fmt, ...) {
-  ec_bput(&e->notes, "// ");
-  va_list ap;
-  va_start(ap, fmt);
-  ec_bvput(&e->notes, fmt, ap);
-  va_end(ap);
-  ec_bput(&e->notes, "\n");
-}
-
-// Closes the scope of an if and opens its else (cond NULL) or its else-if.
-static void orelse_if(Emit *e, const char *cond) {
-  ec_leave(&e->core);
-  e->core.body.len -= 2; // the "}\n" leave wrote
-  if (cond)
-    ec_bput(&e->core.body, "} else if (%s) {\n", cond);
-  else
-    ec_bput(&e->core.body, "} else {\n");
-  e->core.indent++;
-  e->core.depth++;
-}
-
-void cu_orelse(Emit *e) { orelse_if(e, NULL); }
-
-// A float literal that reads back as the same float, in as few digits as that takes.
-const char *cu_flit(Emit *e, double v) { return ec_flit(&e->core, v); }
-
-static const char *shape_txt(Emit *e, int n) {
-  char buf[128];
-  return ec_str(&e->core, "%s%s", dtype_name(ec_node(&e->core, n)->dtype),
-                shape_str(ec_node(&e->core, n)->shape, buf, sizeof buf));
-}
-
-//
-// Scratch and buffers. A node's buffer is its arena slot, the buffer of the epilogue output its GEMM
-// writes into, or a scratch buffer of the step; each kernel declares the buffers it uses in the order
-// it first uses them (b0, b1, ...), so that the kernels of identical layers are identical text.
-//
-
-int64_t cu_scratch_alloc(Emit *e, int64_t bytes) {
-  int64_t at = e->stop;
-  e->stop = align_up(at + (bytes ? bytes : 1), SCRATCH_ALIGN);
-  return e->scratch0 + at;
-}
-
-int64_t cu_buf_off(Emit *e, int c) {
-  if (ec_offset(&e->core, c) >= 0)
-    return ec_offset(&e->core, c);
-  if (e->core.host[c] >= 0)
-    return cu_buf_off(e, e->core.host[c]);
-  if (!e->core.scratch[c])
-    return -1;
-  if (e->soff[c] < 0)
-    e->soff[c] = cu_scratch_alloc(e, ec_numel(&e->core, c) * dtype_size(ec_node(&e->core, c)->dtype));
-  return e->soff[c];
-}
-
-static const char *slot_name(Emit *e, int k) { return ec_str(&e->core, "b%d", k); }
-
-static int add_slot(Emit *e, int node_id, int64_t off, const char *type, const char *what) {
-  if (e->nslots == CUDA_MAX_ARGS) {
-    ec_fail(&e->core, "step %s: a kernel would address more than %d buffers", e->core.f->steps[e->core.si].name,
-            CUDA_MAX_ARGS);
-    return 0;
-  }
-  e->slots[e->nslots] = (Slot){node_id, off, type, what, false};
-  return e->nslots++;
-}
-
-// The slot of node c's buffer in the current kernel.
-static int slot(Emit *e, int c) {
-  if (e->slot_of[c] >= 0)
-    return e->slot_of[c];
-  int64_t off = cu_buf_off(e, c);
-  if (off < 0)
-    ec_fail(&e->core, "node %d (%s) has no buffer in step %s", c, op_name(ec_node(&e->core, c)->op),
-            e->core.f->steps[e->core.si].name);
-  const IrNode *nd = ec_node(&e->core, c);
-  return e->slot_of[c] =
-             add_slot(e, c, off, ec_mtype(&e->core, c), ec_str(&e->core, "%s %s", op_name(nd->op), shape_txt(e, c)));
-}
-
-// The pointer (b<k>) to node c's buffer in the current kernel.
-const char *cu_ptr(Emit *e, int c) {
-  int k = slot(e, c);
-  e->slots[k].decl = true;
-  return slot_name(e, k);
-}
-
-// The offset argument (o.b[k]) of node c's buffer, for a kernel that addresses it through a table.
-const char *cu_offset_arg(Emit *e, int c) { return ec_str(&e->core, "o.b[%d]", slot(e, c)); }
-
-// A pointer to a scratch buffer that is no node (partial sums, row statistics).
-const char *cu_raw_ptr(Emit *e, int64_t off, const char *type, const char *what) {
-  for (int k = 0; k < e->nslots; k++)
-    if (e->slots[k].node < 0 && e->slots[k].off == off)
-      return slot_name(e, k);
-  int k = add_slot(e, -1, off, type, what);
-  e->slots[k].decl = true;
-  return slot_name(e, k);
-}
-
-//
-// Kernels: cu_kbegin starts one, cu_kend closes it and records its launch.
-//
-
-void cu_kbegin(Emit *e, const char *role) {
-  e->role = role;
-  e->table = "";
-  e->core.body.len = e->notes.len = 0;
-  for (int k = 0; k < e->nslots; k++)
-    if (e->slots[k].node >= 0)
-      e->slot_of[e->slots[k].node] = -1;
-  e->nslots = 0;
-  e->sh_d = e->sh_f = false;
-  e->shared = 0;
-  e->min_blocks = 0;
-  e->core.nmemo = e->core.nixm = 0;
-  e->core.indent = 1;
-  e->core.depth = 0;
-  e->core.fresh = 0;
-  e->loop_ix = NULL;
-  e->post_anchor = e->cur_q = -1;
-  e->post_inloop = false;
-  e->lane = -1;
-  e->nlst = 0;
-  e->variant_of = -1;
-}
-
-int64_t cu_grid_for(int64_t work, int block) {
-  int64_t g = (work + block - 1) / block;
-  return g < 1 ? 1 : g > MAX_GRID ? MAX_GRID : g;
-}
-
-// Threads of a grid-stride kernel's block for `work` items: 256, or fewer (a multiple of 32) when
-// there is less to do.
-int cu_block_for(int64_t work) { return work >= BLOCK ? BLOCK : (int)align_up(work < 1 ? 1 : work, 32); }
-
-int cu_kend(Emit *e, int64_t grid, int block) {
-  ec_drop_unused(&e->core);
-  Buf code = {0};
-  ec_bput(&code, "(char *arena, MdlStatus *status, const uint64_t *seed, int64_t chunk, MdlArgs o) {\n");
-  for (int k = 0; k < e->nslots; k++)
-    if (e->slots[k].decl)
-      ec_bput(&code, "  %s *const b%d = (%s *)(arena + o.b[%d]); // %s\n", e->slots[k].type, k, e->slots[k].type, k,
-              e->slots[k].what);
-  if (e->sh_d)
-    ec_bput(&code, "  __shared__ double sh_d[48];\n");
-  if (e->sh_f)
-    ec_bput(&code, "  __shared__ float sh_f[32];\n");
-  ec_bappend(&code, &e->core.body);
-  ec_bput(&code, "}\n");
-  ec_grow(&e->kt, e->nkt, &e->capkt, sizeof *e->kt);
-  KText *t = &e->kt[e->nkt];
-  t->role = e->role;
-  const char *bounds = e->min_blocks == FILL_SM ? ec_str(&e->core, "%d, MDL_SM_THREADS / %d", block, block)
-                       : e->min_blocks      ? ec_str(&e->core, "%d, %d", block, e->min_blocks)
-                                            : ec_str(&e->core, "%d", block);
-  t->pre = (char *)ec_str(&e->core, "extern \"C\" __global__ void __launch_bounds__(%s) ", bounds);
-  t->code = arena_strdup(e->core.a, code.s);
-  t->notes = arena_strdup(e->core.a, e->notes.s ? e->notes.s : "");
-  t->table = e->table;
-  t->shared = e->shared;
-  free(code.s);
-  if (e->variant_of >= 0) {
-    // A variant runs on its launch's arguments: the same buffers in the same order.
-    SLaunch *l = &e->sl[e->variant_of];
-    bool same = l->nargs == e->nslots;
-    for (int k = 0; same && k < e->nslots; k++)
-      same = l->args[k] == e->slots[k].off;
-    if (!same)
-      ec_fail(&e->core, "step %s: a kernel variant addresses other buffers than its kernel",
-              e->core.f->steps[e->core.si].name);
-    l->alt_kt = e->nkt, l->alt_grid = grid, l->alt_block = block;
-    return e->nkt++;
-  }
-  ec_grow(&e->sl, e->nsl, &e->capsl, sizeof *e->sl);
-  SLaunch *l = &e->sl[e->nsl++];
-  *l = (SLaunch){.kt = e->nkt, .gemm = -1, .grid = grid, .block = block, .nargs = e->nslots, .alt_kt = -1};
-  l->args = arena_alloc(e->core.a, sizeof(int64_t) * (size_t)(e->nslots + 1));
-  for (int k = 0; k < e->nslots; k++)
-    l->args[k] = e->slots[k].off;
-  return e->nkt++;
-}
-
-// Launches kernel kt (just ended) once more with another grid and chunk argument.
-void cu_relaunch(Emit *e, int kt, int64_t grid, int64_t chunk) {
-  ec_grow(&e->sl, e->nsl, &e->capsl, sizeof *e->sl);
-  SLaunch *last = NULL;
-  for (int i = 0; i < e->nsl; i++)
-    if (e->sl[i].kt == kt)
-      last = &e->sl[i];
-  e->sl[e->nsl] = *last;
-  e->sl[e->nsl].grid = grid;
-  e->sl[e->nsl].chunk = chunk;
-  e->nsl++;
-}
-
-void cu_gemm_add(Emit *e, CudaGemm gm) {
-  gm.step = e->core.si;
-  ec_grow(&e->sg, e->nsg, &e->capsg, sizeof *e->sg);
-  e->sg[e->nsg] = gm;
-  ec_grow(&e->sl, e->nsl, &e->capsl, sizeof *e->sl);
-  e->sl[e->nsl++] = (SLaunch){.kt = -1, .gemm = e->nsg++, .alt_kt = -1};
-}
-
-// The shared arrays of the block reductions, declared at the top of the kernel when used.
-const char *cu_sh_double(Emit *e) {
-  if (!e->sh_d)
-    e->shared += 384;
-  e->sh_d = true;
-  return "sh_d";
-}
-
-const char *cu_sh_float(Emit *e) {
-  if (!e->sh_f)
-    e->shared += 128;
-  e->sh_f = true;
-  return "sh_f";
-}
-
-//
-// The inline evaluator.
-//
-
-// Reading node c at ix from memory: records reads that the chosen layout must allow.
-static void note_read(Emit *e, int c, const char *ix) {
-  bool at_post = e->post_anchor == c && strcmp(ix, e->post_ix) == 0;
-  if (e->core.in_step[c] && e->core.grp[c] >= 0 && !at_post && ec_offset(&e->core, c) < 0)
-    ec_flag(&e->core, e->core.spill, c);
-}
-
-// Is ix the index of the lane being written in a four-lane loop body, for a value of that loop's size
-// that the lanes load as one float4 (f32), or store as one float4 (f32) or ushort4 (bf16)?
-static bool lane_ix(const Emit *e, int c, const char *ix, bool storing) {
-  DType dt = ec_node(&e->core, c)->dtype;
-  return e->lane >= 0 && (dt == DT_F32 || (storing && dt == DT_BF16)) && e->loop_ix && !strcmp(ix, e->loop_ix) &&
-         ec_numel(&e->core, c) == e->loop_n;
-}
-
-// Stores value v of node c at ix; in a four-lane body the lanes' stores become one vector store. A
-// CAST of this step to bf16 stores its input rounded (v is that rounding widened back).
-static void store(Emit *e, int c, const char *ix, const char *v) {
-  const IrNode *nd = ec_node(&e->core, c);
-  if (nd->op == OP_CAST && nd->dtype == DT_BF16 && e->core.in_step[c])
-    v = cu_val(e, nd->in[0], ix);
-  if (lane_ix(e, c, ix, true)) {
-    ec_grow(&e->lst, e->nlst, &e->caplst, sizeof *e->lst);
-    e->lst[e->nlst++] = (LaneStore){c, e->lane, v};
-    return;
-  }
-  const char *stmt = ec_str(&e->core, "%s[%s] = %s;", cu_ptr(e, c), ix, ec_store(&e->core, c, v));
-  if (e->defer) {
-    ec_grow(&e->held, e->nheld, &e->capheld, sizeof *e->held);
-    e->held[e->nheld++] = stmt;
-    return;
-  }
-  ec_line(&e->core, "%s", stmt);
-}
-
-// A CONCAT read at the lane's own index in a four-lane body, whose four lanes' values lie side by
-// side in one f32 part (ec_concat_ptr), 16-byte aligned: the axis is followed by a multiple of 4
-// elements, or is the last and every part's length a multiple of 4 (lane 0's index, i0 in both
-// four-lane bodies, is a multiple of 4). GPT-2's qkv gradient: dq, dk, dv.
-static bool concat_lanes(Emit *e, int c, const char *ix) {
-  const IrNode *nd = ec_node(&e->core, c);
-  if (nd->op != OP_CONCAT || e->lane < 0 || !e->loop_ix || strcmp(ix, e->loop_ix) ||
-      ec_numel(&e->core, c) != e->loop_n || ec_has_target(&e->core, c) || !ec_concat_direct(&e->core, c))
-    return false;
-  int ax = (int)nd->ia[0];
-  int64_t inner = ec_span(nd->shape, ax + 1, nd->shape.rank);
-  bool fours = inner % 4 == 0 || inner == 1;
-  for (int k = 0; k < nd->nin; k++) {
-    const IrNode *in = ec_node(&e->core, ec_canon(&e->core, nd->in[k]));
-    fours = fours && in->dtype == DT_F32 && (inner % 4 == 0 || in->shape.d[ax] % 4 == 0);
-  }
-  return fours;
-}
-
-// The value of node n at flat index ix, as an expression; emits what computes it. A step output met
-// at the current loop's own index is stored on the way. In a four-lane body, a value in memory read
-// at the lane's own index comes from one float4 load shared by the four lanes (so do a CONCAT's
-// parts, concat_lanes).
-const char *cu_val(Emit *e, int n, const char *ix) {
-  int c = ec_canon(&e->core, n);
-  const IrNode *nd = ec_node(&e->core, c);
-  if (nd->op == OP_CONST)
-    return nd->dtype == DT_I32 ? ec_ilit(&e->core, nd->fa[0]) : cu_flit(e, nd->fa[0]);
-  if (ec_numel(&e->core, c) == 1)
-    ix = "0";
-  const char *hit = ec_memo_get(&e->core, c, ix);
-  if (hit)
-    return hit;
-  const char *name = ec_str(&e->core, "v%d", ++e->core.fresh);
-  if (ec_in_memory(&e->core, c)) {
-    note_read(e, c, ix);
-    if (lane_ix(e, c, ix, false)) {
-      const char *q = ec_memo_get(&e->core, c, "float4");
-      if (!q) {
-        q = ec_str(&e->core, "f%d", ++e->core.fresh);
-        ec_line(&e->core, "const float4 %s = reinterpret_cast<const float4 *>(%s)[q];", q, cu_ptr(e, c));
-        ec_memo_put(&e->core, c, "float4", q);
-      }
-      name = ec_str(&e->core, "%s.%c", q, "xyzw"[e->lane]);
-    } else {
-      ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name,
-              ec_load(&e->core, c, ec_str(&e->core, "%s[%s]", cu_ptr(e, c), ix)));
-    }
-  } else if (e->core.in_step[c] && concat_lanes(e, c, ix)) {
-    const char *q = ec_memo_get(&e->core, c, "float4");
-    if (!q) {
-      q = ec_str(&e->core, "f%d", ++e->core.fresh);
-      ec_line(&e->core, "const float4 %s = *(const float4 *)%s;", q, ec_concat_ptr(&e->core, c, "i0"));
-      ec_memo_put(&e->core, c, "float4", q);
-    }
-    name = ec_str(&e->core, "%s.%c", q, "xyzw"[e->lane]);
-  } else if (e->core.in_step[c] && ec_is_pointwise(nd->op)) {
-    const char *expr = ec_pointwise_expr(&e->core, c, ix);
-    ec_line(&e->core, "const %s %s = %s;", ec_ctype(&e->core, c), name, expr);
-    bool own = e->loop_ix && ec_numel(&e->core, c) == e->loop_n && (strcmp(ix, e->loop_ix) == 0 || e->loop_n == 1);
-    if (ec_has_target(&e->core, c) && !e->core.stored[c] && own) {
-      store(e, c, ix, name);
-      e->core.stored[c] = true;
-      e->core.phase_nodes[e->core.nphase++] = c;
-    }
-  } else if (e->core.in_step[c] && e->core.grp[c] >= 0) {
-    // An anchor of this step that is not in memory (yet): read inside its own kernel at another
-    // index, or after it while only a local existed. Flag it; the next pass lays it out.
-    if (e->post_inloop && e->post_anchor == c && e->cur_q >= 0)
-      ec_flag(&e->core, e->core.post_bad, e->cur_q);
-    else
-      ec_flag(&e->core, e->core.spill, c);
-    return "0.0f";
-  } else {
-    ec_fail(&e->core, "step %s reads node %d (%s), which no earlier step wrote", e->core.f->steps[e->core.si].name, c,
-            op_name(nd->op));
-    return "0";
-  }
-  ec_memo_put(&e->core, c, ix, name);
-  return name;
-}
-
-// The evaluator hooks of EmitCore (core is the first member of Emit).
-static const char *core_val(EmitCore *core, int n, const char *ix) { return cu_val((Emit *)core, n, ix); }
-static const char *core_base(EmitCore *core, int n) { return cu_ptr((Emit *)core, n); }
-
-// The step's seed is read from device memory, where the runtime writes it before each step: a
-// captured graph replays its launches' arguments as they were, so a seed passed by value would
-// repeat the first step's dropout masks in every step.
-static const char *core_seed(EmitCore *core) {
-  (void)core;
-  return "(*seed)";
-}
-
-// A CAST to fp8: its tensor's scale and amax in the arena's fp8 region (CudaPlan.fp8).
-static const char *core_fp8_cast(EmitCore *core, const IrNode *cast, const char *x) {
-  const Emit *e = (const Emit *)core;
-  int64_t t = cast->ia[1], n = core->g->nfp8;
-  return ec_str(core, "mdl_cast_%s(%s, (const float *)(arena + %lld), (unsigned *)(arena + %lld))",
-                cast->ia[0] == DT_F8E5M2 ? "e5m2" : "e4m3", x, (long long)(e->fp8 + 4 * t),
-                (long long)(e->fp8 + 8 * n + 4 * t));
-}
-
-//
-// Elementwise kernels, each a phase: its stores count as written after it.
-//
-
-// The ops of a list of nodes, for a kernel's comment.
-static const char *op_list(Emit *e, const int *nodes, int k) {
-  Buf b = {0};
-  for (int t = 0; t < k; t++)
-    ec_bput(&b, "%s%s", t ? ", " : "", op_name(ec_node(&e->core, nodes[t])->op));
-  return ec_buf_str(&e->core, &b);
-}
-
-// The deferred stores of a four-lane body: one float4 (f32) or ushort4 (bf16) store per node that has
-// all four lanes.
-void cu_flush_lanes(Emit *e) {
-  for (int i = 0; i < e->nlst; i++) {
-    const LaneStore *s = &e->lst[i];
-    if (s->lane != 0)
-      continue;
-    const char *v[4] = {s->value, NULL, NULL, NULL};
-    for (int j = 0; j < e->nlst; j++)
-      if (e->lst[j].node == s->node && e->lst[j].lane > 0)
-        v[e->lst[j].lane] = e->lst[j].value;
-    if (!v[1] || !v[2] || !v[3]) {
-      ec_fail(&e->core, "step %s: node %d is stored in some lanes only", e->core.f->steps[e->core.si].name, s->node);
-      continue;
-    }
-    const char *vt = ec_node(&e->core, s->node)->dtype == DT_BF16 ? "ushort4" : "float4";
-    ec_line(&e->core, "reinterpret_cast<%s *>(%s)[q] = make_%s(%s, %s, %s, %s);", vt, cu_ptr(e, s->node), vt,
-            ec_store(&e->core, s->node, v[0]), ec_store(&e->core, s->node, v[1]), ec_store(&e->core, s->node, v[2]),
-            ec_store(&e->core, s->node, v[3]));
-  }
-  e->nlst = 0;
-}
-
-// One elementwise kernel over `n` elements writing nodes[0..k) (all of that size), grid-stride, four
-// elements per thread when n is a multiple of 4. post_anchor names the GEMM whose epilogue this is.
-static void pw_loop(Emit *e, const int *nodes, int k, int64_t n, int post_anchor, const char *role) {
-  ec_phase_begin(&e->core);
-  cu_kbegin(e, role);
-  bool vec = n % 4 == 0;
-  int64_t work = vec ? n / 4 : n;
-  int block = cu_block_for(work);
-  cu_note(e, "elementwise over %lld%s: %s", (long long)n, vec ? ", 4 per thread" : "", op_list(e, nodes, k));
-  ec_enter(&e->core, "for (%s q = blockIdx.x * blockDim.x + threadIdx.x; q < %lld; q += gridDim.x * blockDim.x)",
-           e->core.ixt, (long long)work);
-  e->post_anchor = post_anchor;
-  e->post_inloop = false;
-  e->loop_n = n;
-  if (vec) {
-    ec_line(&e->core, "const %s i0 = 4 * q;", e->core.ixt);
-    for (int lane = 1; lane < 4; lane++)
-      ec_line(&e->core, "const %s i%d = i0 + %d;", e->core.ixt, lane, lane);
-  }
-  int mark = e->core.nphase;
-  for (int lane = 0; lane < (vec ? 4 : 1); lane++) {
-    const char *ix = vec ? ec_str(&e->core, "i%d", lane) : "q";
-    if (vec)
-      e->lane = lane;
-    for (int i = mark; i < e->core.nphase; i++)
-      e->core.stored[e->core.phase_nodes[i]] = false;
-    e->core.nphase = mark;
-    e->loop_ix = ix;
-    e->post_ix = ix;
-    for (int t = 0; t < k; t++) {
-      e->cur_q = nodes[t];
-      const char *v = cu_val(e, nodes[t], ix);
-      if (!e->core.stored[nodes[t]]) {
-        store(e, nodes[t], ix, v);
-        e->core.stored[nodes[t]] = true;
-        e->core.phase_nodes[e->core.nphase++] = nodes[t];
-      }
-    }
-  }
-  cu_flush_lanes(e);
-  e->lane = -1;
-  ec_leave(&e->core);
-  e->loop_ix = NULL;
-  e->post_anchor = -1;
-  e->cur_q = -1;
-  cu_kend(e, cu_grid_for(work, block), block);
-  ec_phase_end(&e->core);
-}
-
-// Elementwise kernels for a list of nodes, one per distinct size, in order of first appearance.
-static void pw_loops(Emit *e, const int *nodes, int k, int post_anchor, const char *role) {
-  bool *done = ec_xcalloc((size_t)k, sizeof *done);
-  int *same = ec_xcalloc((size_t)k, sizeof *same);
-  for (int t = 0; t < k; t++) {
-    if (done[t])
-      continue;
-    int ns = 0;
-    for (int u = t; u < k; u++)
-      if (!done[u] && ec_numel(&e->core, nodes[u]) == ec_numel(&e->core, nodes[t])) {
-        same[ns++] = nodes[u];
-        done[u] = true;
-      }
-    pw_loop(e, same, ns, ec_numel(&e->core, nodes[t]), post_anchor, role);
-  }
-  free(done);
-  free(same);
-}
-
-void cu_flush(Emit *e) {
-  if (e->core.npending)
-    pw_loops(e, e->core.pending, e->core.npending, -1, "prep");
-  e->core.npending = 0;
-}
-
-// n's rows (last axis) in memory: n itself, or a SLICE of the last axis of a tensor in memory (q, k,
-// v out of one qkv buffer), read in place with that tensor's stride.
-Rows cu_rows_of(Emit *e, int n) {
-  int src;
-  int64_t start;
-  if (ec_row_slice(&e->core, n, &src, &start))
-    return (Rows){src, start, ec_last_dim(&e->core, src)};
-  return (Rows){ec_need(&e->core, n), 0, ec_last_dim(&e->core, n)};
-}
-
-// The pointer expression of a Rows in the current kernel.
-const char *cu_rows_base(Emit *e, Rows r) {
-  return r.at ? ec_str(&e->core, "(%s + %lld)", cu_ptr(e, r.node), (long long)r.at) : cu_ptr(e, r.node);
-}
-
-// Evaluates the post outputs inside the anchor's own kernel, where the anchor's value at index ix is
-// the expression y.
-void cu_post_inloop(Emit *e, int anchor, const int *q, int nq, const char *ix, int64_t n, const char *y) {
-  e->loop_ix = ix;
-  e->loop_n = n;
-  e->post_anchor = anchor;
-  e->post_ix = ix;
-  e->post_inloop = true;
-  ec_memo_put(&e->core, anchor, ec_numel(&e->core, anchor) == 1 ? "0" : ix, y);
-  for (int t = 0; t < nq; t++) {
-    e->cur_q = q[t];
-    cu_val(e, q[t], ix);
-  }
-  e->post_anchor = -1;
-  e->post_inloop = false;
-  e->cur_q = -1;
-}
-
-// The output buffer of a row-wise or reducing anchor: whole (arena slot or scratch) when it is an
-// output or read at other indices; otherwise only a local exists.
-bool cu_whole(Emit *e, int a) {
-  if (ec_offset(&e->core, a) >= 0)
-    return true;
-  if (e->core.spill[a]) {
-    e->core.scratch[a] = true;
-    return true;
-  }
-  return false;
-}
 
 //
 // Anchors.
@@ -777,25 +257,22 @@ static const char *epi_name(CudaEpilogue k) {
   }
 }
 
-static void emit_gemm(Emit *e, int gi, const bool *emitted) {
-  int mm = e->core.groups[gi].mem[0];
-  const IrNode *nd = ec_node(&e->core, mm);
-  Shape sa = ec_node(&e->core, nd->in[0])->shape, sb = ec_node(&e->core, nd->in[1])->shape, so = nd->shape;
-  bool ta = nd->ia[0], tb = nd->ia[1];
-  int64_t m = so.d[so.rank - 2], n = so.d[so.rank - 1], k = ta ? sa.d[sa.rank - 2] : sa.d[sa.rank - 1];
+static void emit_gemm(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
+  EwGemm g;
+  ew_gemm_shape(&e->core, gi, &g);
   Rows a, b;
-  if (so.rank == 2) {
-    a = cu_rows_of(e, nd->in[0]);
-    b = cu_rows_of(e, nd->in[1]);
+  if (g.so.rank == 2) {
+    a = cu_rows_of(e, g.nd->in[0]);
+    b = cu_rows_of(e, g.nd->in[1]);
   } else {
-    a = (Rows){ec_need(&e->core, nd->in[0]), 0, sa.d[sa.rank - 1]};
-    b = (Rows){ec_need(&e->core, nd->in[1]), 0, sb.d[sb.rank - 1]};
+    a = (Rows){ec_need(&e->core, g.nd->in[0]), 0, g.sa.d[g.sa.rank - 1]};
+    b = (Rows){ec_need(&e->core, g.nd->in[1]), 0, g.sb.d[g.sb.rank - 1]};
   }
-  cu_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
-  int64_t batches = ec_span(so, 0, so.rank - 2);
-  int out = mm, bias = -1, aux = -1, resid = -1, cast = bf16_result(e, mm, n);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, g.mm), e->core.emitted, q);
+  int out = g.mm, bias = -1, aux = -1, resid = -1, cast = bf16_result(e, g.mm, g.n);
   CudaEpilogue epi = CUDA_EPI_NONE;
   DType ab = ec_node(&e->core, a.node)->dtype, ct = cast >= 0 ? DT_BF16 : DT_F32;
   bool fp8 = ab == DT_F8E4M3 || ab == DT_F8E5M2;
@@ -803,40 +280,35 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   // is f32; the bias, GELU and residual run in the kernel after it, as a batched GEMM's do)
   if (cast >= 0)
     out = cast;
-  else if (batches == 1 && !fp8)
-    epi = epilogue_of(e, mm, n, &out, &bias, &aux, &resid);
-  if (out == mm && ec_offset(&e->core, mm) < 0) {
-    for (int t = 0; t < nq && !e->core.spill[mm] && e->core.host[mm] < 0; t++)
-      if (ec_offset(&e->core, q[t]) >= 0 && ec_node(&e->core, q[t])->dtype == DT_F32)
-        e->core.host[mm] = q[t];
-    if (e->core.host[mm] < 0)
-      e->core.scratch[mm] = true;
-  }
+  else if (g.batches == 1 && !fp8)
+    epi = epilogue_of(e, g.mm, g.n, &out, &bias, &aux, &resid);
+  if (out == g.mm)
+    ew_gemm_place(&e->core, g.mm, q, nq);
   int64_t sab = dtype_size(ab), sc = dtype_size(ct); // (fp8: one byte, A's and B's)
-  CudaGemm gm = {.ab = ab, .c_type = ct, .ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = a.stride,
-                 .ldb = b.stride, .ldc = n, .batch = 1, .a = cu_buf_off(e, a.node) + sab * a.at,
+  CudaGemm gm = {.ab = ab, .c_type = ct, .ta = g.ta, .tb = g.tb, .m = g.m, .n = g.n, .k = g.k, .lda = a.stride,
+                 .ldb = b.stride, .ldc = g.n, .batch = 1, .a = cu_buf_off(e, a.node) + sab * a.at,
                  .b = cu_buf_off(e, b.node) + sab * b.at, .c = cu_buf_off(e, out), .epilogue = epi,
                  .bias = bias >= 0 ? cu_buf_off(e, bias) : -1, .aux = aux >= 0 ? cu_buf_off(e, aux) : -1,
                  .beta = resid >= 0 ? 1.0f : 0.0f, .c_apart = resid >= 0, .cin = resid >= 0 ? cu_buf_off(e, resid) : 0,
                  .b_fp8 = fp8 ? ec_node(&e->core, b.node)->dtype : DT_F32,
-                 .a_scale = fp8 ? e->fp8 + 4 * (e->core.g->nfp8 + nd->ia[2]) : 0,
-                 .b_scale = fp8 ? e->fp8 + 4 * (e->core.g->nfp8 + nd->ia[3]) : 0};
+                 .a_scale = fp8 ? e->fp8 + 4 * (e->core.g->nfp8 + g.nd->ia[2]) : 0,
+                 .b_scale = fp8 ? e->fp8 + 4 * (e->core.g->nfp8 + g.nd->ia[3]) : 0};
   ec_phase_begin(&e->core);
-  if (batches > 1) {
-    Shape ob = so;
+  if (g.batches > 1) {
+    Shape ob = g.so;
     ob.rank -= 2;
-    int64_t s1 = batch_stride(sa, ob, m * k), s2 = batch_stride(sb, ob, k * n);
+    int64_t s1 = batch_stride(g.sa, ob, g.m * g.k), s2 = batch_stride(g.sb, ob, g.k * g.n);
     if (s1 >= 0 && s2 >= 0) {
-      gm.batch = batches, gm.stride_a = s1, gm.stride_b = s2, gm.stride_c = m * n;
+      gm.batch = g.batches, gm.stride_a = s1, gm.stride_b = s2, gm.stride_c = g.m * g.n;
       cu_gemm_add(e, gm);
     } else {
-      Shape ba = sa, bb = sb;
+      Shape ba = g.sa, bb = g.sb;
       ba.rank -= 2, bb.rank -= 2;
       CudaGemm one = gm;
-      for (int64_t t = 0; t < batches; t++) {
-        one.a = gm.a + sab * shape_bcast_offset(ob, ba, t) * m * k;
-        one.b = gm.b + sab * shape_bcast_offset(ob, bb, t) * k * n;
-        one.c = gm.c + sc * t * m * n;
+      for (int64_t t = 0; t < g.batches; t++) {
+        one.a = gm.a + sab * shape_bcast_offset(ob, ba, t) * g.m * g.k;
+        one.b = gm.b + sab * shape_bcast_offset(ob, bb, t) * g.k * g.n;
+        one.c = gm.c + sc * t * g.m * g.n;
         cu_gemm_add(e, one);
       }
     }
@@ -847,90 +319,23 @@ static void emit_gemm(Emit *e, int gi, const bool *emitted) {
   if (aux >= 0)
     ec_phase_done(&e->core, aux);
   ec_phase_end(&e->core);
-  nq = ec_post_set(&e->core, gi, ec_numel(&e->core, mm), emitted, q);
-  if (nq && !ec_reduction_after(&e->core, gi, emitted, ec_numel(&e->core, mm)))
-    pw_loop(e, q, nq, ec_numel(&e->core, mm), mm, "epilogue");
+  nq = ec_post_set(&e->core, gi, ec_numel(&e->core, g.mm), e->core.emitted, q);
+  if (nq && !ec_reduction_after(&e->core, gi, e->core.emitted, ec_numel(&e->core, g.mm)))
+    cu_pw_loop(&e->core, q, nq, ec_numel(&e->core, g.mm), g.mm, "epilogue");
   free(q);
-}
-
-static void emit_group(Emit *e, int gi, const bool *emitted) {
-  const Group *gr = &e->core.groups[gi];
-  switch (gr->kind) {
-  case G_NORM_BWD: cu_emit_norm_bwd(e, gi, emitted); return;
-  case G_ATTN: cu_emit_attention(e, gi); return;
-  case G_ATTN_BWD: cu_emit_attention_bwd(e, gi); return;
-  case G_CE: cu_emit_ce(e, gi); return;
-  case G_LMHEAD: cu_emit_lmhead(e, gi); return;
-  case G_OPT: cu_emit_optimizer(e, gi); return;
-  case G_SINGLE: break;
-  }
-  Op op = ec_node(&e->core, gr->mem[0])->op;
-  switch (op) {
-  case OP_MATMUL: emit_gemm(e, gi, emitted); return;
-  case OP_SUM: case OP_MEAN: case OP_MAX: case OP_TARGET_COUNT: cu_emit_reduce(e, gi, emitted); return;
-  case OP_LAYERNORM: case OP_RMSNORM: cu_emit_norm_fwd(e, gi, emitted); return;
-  case OP_SOFTMAX: case OP_SOFTMAX_BWD: cu_emit_softmax(e, gi, emitted); return;
-  case OP_EMBED: cu_emit_embed(e, gi); return;
-  case OP_EMBED_BWD: cu_emit_embed_bwd(e, gi, emitted); return;
-  case OP_ROPE: cu_emit_rope(e, gi); return;
-  case OP_MAX_BWD: cu_emit_max_bwd(e, gi); return;
-  case OP_TOPK: cu_emit_topk(e, gi); return;
-  case OP_GATHER: cu_emit_gather(e, gi); return;
-  case OP_GATHER_BWD: case OP_SCATTER_ADD: cu_emit_scatter(e, gi); return;
-  case OP_ATTENTION_MASK: cu_emit_attn_mask(e, gi); return;
-  default: ec_fail(&e->core, "no kernel for %s", op_name(op));
-  }
 }
 
 //
 // Steps.
 //
 
-static void pass_reset(Emit *e) {
-  size_t n = (size_t)e->core.g->n;
-  memset(e->core.written, 0, n * sizeof *e->core.written);
-  memset(e->core.scratch, 0, n * sizeof *e->core.scratch);
-  memset(e->core.stored, 0, n * sizeof *e->core.stored);
-  for (size_t i = 0; i < n; i++) {
-    e->core.host[i] = -1;
+// The CUDA target's part of a pass's reset (emit_walk.c resets the rest).
+static void pass_reset(EmitCore *core) {
+  Emit *e = (Emit *)core;
+  for (int i = 0; i < core->g->n; i++)
     e->soff[i] = -1;
-  }
   e->stop = 0;
   e->nkt = e->nsl = e->nsg = 0;
-  e->core.npending = e->core.nphase = 0;
-  e->core.flagged = false;
-}
-
-static void emit_step_body(Emit *e) {
-  const Step *st = &e->core.f->steps[e->core.si];
-  bool *emitted = ec_xcalloc((size_t)e->core.ngroups + 1, sizeof *emitted);
-  for (int k = 0; k < e->core.ngroups && !e->core.failed; k++) {
-    emit_group(e, e->core.order[k], emitted);
-    emitted[e->core.order[k]] = true;
-  }
-  free(emitted);
-  int *rest = ec_xcalloc((size_t)st->nnodes + 1, sizeof *rest), nrest = ec_unwritten(&e->core, rest);
-  if (nrest)
-    pw_loops(e, rest, nrest, -1, e->core.ngroups ? "rest" : "");
-  free(rest);
-  ec_check_written(&e->core);
-}
-
-// A C identifier from a step name; unique among the steps.
-static const char *kernel_name(Emit *e, const char *name, int si, const char **names) {
-  char buf[160];
-  size_t k = 0;
-  for (const char *p = name ? name : ""; *p && k + 1 < sizeof buf - 16; p++)
-    buf[k++] = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ? *p : '_';
-  buf[k] = 0;
-  if (!k || (buf[0] >= '0' && buf[0] <= '9'))
-    snprintf(buf, sizeof buf, "k%d_%s", si + 1, name && *name ? name : "step");
-  for (int i = 0; i < si; i++)
-    if (!strcmp(names[i], buf)) {
-      snprintf(buf + strlen(buf), 16, "_%d", si + 1);
-      break;
-    }
-  return arena_strdup(e->core.a, buf);
 }
 
 static unsigned long hash_str(const char *a, const char *b, const char *c) {
@@ -968,15 +373,7 @@ static const char *kernel_of(Emit *e, const KText *t, Buf *text) {
 
 // Appends the step's kernels and GEMMs, as the last pass left them, to the module and the schedule.
 static void commit_step(Emit *e) {
-  const Step *st = &e->core.f->steps[e->core.si];
-  ec_bput(&e->out, "\n// %s: %s, %d op%s\n", e->sname, ec_kind_name(st->kind), st->nnodes, st->nnodes == 1 ? "" : "s");
-  for (int k = 0; k < st->nnodes; k++) {
-    const IrNode *nd = ec_node(&e->core, st->nodes[k]);
-    char buf[128];
-    ec_bput(&e->out, "//   %%%-5d %-18s %-20s %-10s %s%s\n", nd->id, op_name(nd->op), nd->name ? nd->name : "",
-            nd->loc.line ? ec_str(&e->core, "line %d", nd->loc.line) : "", dtype_name(nd->dtype),
-            shape_str(nd->shape, buf, sizeof buf));
-  }
+  ew_step_head(&e->core, &e->out, e->sname);
   ec_bput(&e->out, "// runs:\n");
   Buf text = {0};
   const char **names = ec_xcalloc((size_t)e->nkt + 1, sizeof *names);
@@ -1035,41 +432,6 @@ static void commit_step(Emit *e) {
     e->scratch_max = e->stop;
 }
 
-// Emits step si: passes until the layout of its values settles, then the last pass is kept.
-static bool emit_step(Emit *e, int si, const char *name) {
-  const Step *st = &e->core.f->steps[si];
-  e->core.si = si;
-  e->sname = name;
-  int64_t most = 0;
-  for (int k = 0; k < st->nnodes; k++) {
-    const IrNode *nd = ec_node(&e->core, st->nodes[k]);
-    e->core.in_step[st->nodes[k]] = !ec_is_leaf(nd->op);
-    most = ec_numel(&e->core, nd->id) > most ? ec_numel(&e->core, nd->id) : most;
-    for (int j = 0; j < nd->nin; j++)
-      most = ec_numel(&e->core, nd->in[j]) > most ? ec_numel(&e->core, nd->in[j]) : most;
-  }
-  e->core.ixt = most < (int64_t)1 << 30 ? "int" : "int64_t";
-  memset(e->core.spill, 0, sizeof *e->core.spill * (size_t)e->core.g->n);
-  memset(e->core.post_bad, 0, sizeof *e->core.post_bad * (size_t)e->core.g->n);
-  bool ok = ec_groups_order(&e->core);
-  for (int pass = 0; ok && pass < 32; pass++) {
-    pass_reset(e);
-    emit_step_body(e);
-    if (e->core.failed || !e->core.flagged)
-      break;
-  }
-  if (!e->core.failed && e->core.flagged)
-    ec_fail(&e->core, "step %s: the layout of its values did not settle", st->name);
-  for (int k = 0; k < st->nnodes; k++) {
-    e->core.in_step[st->nodes[k]] = false;
-    e->core.grp[st->nodes[k]] = -1;
-  }
-  if (e->core.failed)
-    return false;
-  commit_step(e);
-  return true;
-}
-
 static void build_users(Emit *e) {
   const Graph *g = e->core.g;
   e->users = ec_xcalloc((size_t)g->n, sizeof *e->users);
@@ -1089,29 +451,32 @@ static void build_users(Emit *e) {
   free(cap);
 }
 
+// The CUDA target: its hooks and its kernel families.
+static const EmitTarget cuda_target = {
+    .narrow_ix = true, .seed = cu_seed, .base = cu_base, .fp8_cast = cu_fp8_cast, .local = cu_local,
+    .lanes = cu_lanes, .store = cu_store, .pw_loop = cu_pw_loop, .pass_reset = pass_reset,
+    .kernel = {[EK_GEMM] = emit_gemm, [EK_REDUCE] = cu_emit_reduce, [EK_NORM_FWD] = cu_emit_norm_fwd,
+               [EK_NORM_BWD] = cu_emit_norm_bwd, [EK_SOFTMAX] = cu_emit_softmax, [EK_EMBED] = cu_emit_embed,
+               [EK_EMBED_BWD] = cu_emit_embed_bwd, [EK_ROPE] = cu_emit_rope, [EK_MAX_BWD] = cu_emit_max_bwd,
+               [EK_TOPK] = cu_emit_topk, [EK_GATHER] = cu_emit_gather, [EK_SCATTER] = cu_emit_scatter,
+               [EK_ATTN_MASK] = cu_emit_attn_mask, [EK_ATTENTION] = cu_emit_attention,
+               [EK_ATTENTION_BWD] = cu_emit_attention_bwd, [EK_CE] = cu_emit_ce, [EK_LMHEAD] = cu_emit_lmhead,
+               [EK_OPTIMIZER] = cu_emit_optimizer},
+};
+
 CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_path) {
   const Graph *g = f->g;
   size_t n = (size_t)g->n;
-  Emit e = {.core = {.f = f, .m = m, .g = g, .a = arena_new(), .val = core_val, .seed = core_seed, .base = core_base,
-                     .fp8_cast = core_fp8_cast}};
-  e.core.in_step = ec_xcalloc(n, sizeof *e.core.in_step);
-  e.core.grp = ec_xcalloc(n, sizeof *e.core.grp);
-  e.core.spill = ec_xcalloc(n, sizeof *e.core.spill);
-  e.core.post_bad = ec_xcalloc(n, sizeof *e.core.post_bad);
-  e.core.written = ec_xcalloc(n, sizeof *e.core.written);
-  e.core.scratch = ec_xcalloc(n, sizeof *e.core.scratch);
-  e.core.stored = ec_xcalloc(n, sizeof *e.core.stored);
-  e.core.host = ec_xcalloc(n, sizeof *e.core.host);
+  Emit e = {0};
+  ew_open(&e.core, &cuda_target, f, m);
   e.soff = ec_xcalloc(n, sizeof *e.soff);
   e.slot_of = ec_xcalloc(n, sizeof *e.slot_of);
-  e.core.phase_nodes = ec_xcalloc(n, sizeof *e.core.phase_nodes);
-  e.core.pending = ec_xcalloc(n, sizeof *e.core.pending);
   for (size_t i = 0; i < n; i++)
-    e.core.grp[i] = e.slot_of[i] = -1;
+    e.slot_of[i] = -1;
   build_users(&e);
 
-  e.fp8 = align_up(m->arena_bytes, SCRATCH_ALIGN);
-  int64_t scratch = e.scratch0 = g->nfp8 ? align_up(e.fp8 + 12 * (int64_t)g->nfp8, SCRATCH_ALIGN) : e.fp8;
+  e.fp8 = cu_align_up(m->arena_bytes, SCRATCH_ALIGN);
+  int64_t scratch = e.scratch0 = g->nfp8 ? cu_align_up(e.fp8 + 12 * (int64_t)g->nfp8, SCRATCH_ALIGN) : e.fp8;
   ec_bput(&e.out, "// Generated by mdlc %s from %s: do not edit.\n", MDL_VERSION, source_path ? source_path : "?");
   ec_bput(&e.out, "// Model %s: one training step (forward, backward, AdamW) as %d steps on one device arena:\n",
           g->model ? g->model : "?", f->nsteps);
@@ -1131,9 +496,10 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
 
   const char **names = ec_xcalloc((size_t)f->nsteps + 1, sizeof *names);
   for (int si = 0; si < f->nsteps; si++) {
-    names[si] = kernel_name(&e, f->steps[si].name, si, names);
-    if (!emit_step(&e, si, names[si]))
+    names[si] = e.sname = ew_kernel_name(&e.core, f->steps[si].name, si, names);
+    if (!ew_step(&e.core, si))
       break;
+    commit_step(&e);
   }
   CudaPlan *plan = NULL;
   if (e.core.failed) {
@@ -1174,10 +540,7 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
   }
   free(names);
   free(e.out.s);
-  free(e.core.body.s);
   free(e.notes.s);
-  free(e.core.memo);
-  free(e.core.ixm);
   free(e.lst);
   free(e.held);
   free(e.kt);
@@ -1191,19 +554,9 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
     free(e.users[i]);
   free(e.users);
   free(e.nusers);
-  free(e.core.in_step);
-  free(e.core.grp);
-  free(e.core.spill);
-  free(e.core.post_bad);
-  free(e.core.written);
-  free(e.core.scratch);
-  free(e.core.stored);
-  free(e.core.host);
   free(e.soff);
   free(e.slot_of);
-  free(e.core.phase_nodes);
-  free(e.core.pending);
-  arena_free(e.core.a);
+  ew_close(&e.core);
   return plan;
 }
 

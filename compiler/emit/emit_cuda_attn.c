@@ -3,6 +3,7 @@
 // shapes chosen here). See emit_cuda.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "emit_cuda.h"
 #include "emit_cuda_impl.h"
 
@@ -447,7 +448,8 @@ static void att_mma_kernel(Emit *e, const Att *A, int out, int warps, int varian
 // ATTENTION forward: on tensor cores where att_mma allows, else on CUDA cores (att_query_kernel); with
 // its ATTENTION_LSE (rule 3 of fuse.c) it stores the rows' log-sum-exp as well. An ATTENTION_LSE alone
 // (no fusion) computes the scores and their statistics only.
-void cu_emit_attention(Emit *e, int gi) {
+void cu_emit_attention(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a, lse;
   ec_attention_members(&e->core, gi, &a, &lse);
   const IrNode *nd = ec_node(&e->core, a >= 0 ? a : lse);
@@ -457,7 +459,7 @@ void cu_emit_attention(Emit *e, int gi) {
   A.v = cu_rows_of(e, nd->in[2]);
   A.doc = A.has_doc ? ec_need(&e->core, nd->in[3]) : -1;
   A.lse = lse;
-  cu_flush(e);
+  ew_flush(&e->core);
   e->nout_cast = a >= 0 ? ec_output_casts(&e->core, a, e->out_cast, 4, &e->out_f32) : 0;
   if (a >= 0 && e->out_f32 && ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
@@ -693,7 +695,8 @@ static void att_mma_dkv_kernel(Emit *e, const Att *A, int dk, int dv, int64_t ds
 // row, then dq per query tile and dk, dv per key tile (on tensor cores where att_mma_bwd allows), each
 // recomputing the probabilities P = exp(S - lse). bf16: every kernel reads q, k, v and dout rounded,
 // dq and dk read dS rounded, dv reads P rounded, D reads dout and out rounded (mdl.h).
-void cu_emit_attention_bwd(Emit *e, int gi) {
+void cu_emit_attention_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   const IrNode *nd = ec_node(&e->core, gr->mem[0]);
   int out[3] = {-1, -1, -1};
@@ -709,12 +712,8 @@ void cu_emit_attention_bwd(Emit *e, int gi) {
   bool ds = out[0] >= 0 || out[1] >= 0; // dq and dk need dS = P (dP - D); dv only P
   if (ds)
     A.o = cu_rows_of(e, att_bwd_out(nd));
-  cu_flush(e);
-  for (int i = 0; i < 3; i++)
-    if (out[i] >= 0 && ec_offset(&e->core, out[i]) < 0)
-      e->core.scratch[out[i]] = true;
+  ew_outputs_open(&e->core, out, 3);
   int64_t dsum = ds ? cu_scratch_alloc(e, A.nb * A.heads * A.nt * 4) : -1;
-  ec_phase_begin(&e->core);
   bool mma = att_mma_bwd(&A);
   if (ds)
     att_dsum_kernel(e, &A, dsum);
@@ -730,8 +729,5 @@ void cu_emit_attention_bwd(Emit *e, int gi) {
     att_mma_dkv_kernel(e, &A, out[1], out[2], dsum, att_other_warps(ATT_MMA_WARPS), l);
   } else if (out[1] >= 0 || out[2] >= 0)
     att_key_kernel(e, &A, out[1], out[2], dsum);
-  for (int i = 0; i < 3; i++)
-    if (out[i] >= 0)
-      ec_phase_done(&e->core, out[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, out, 3);
 }

@@ -5,6 +5,7 @@
 #define EMIT_CUDA_IMPL_H
 
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "emit_cuda.h"
 
 #define LOG2E 1.4426950408889634 // log2(e): the tensor-core attention kernels exponentiate in base 2
@@ -69,7 +70,7 @@ typedef struct {
 } Known;
 
 typedef struct {
-  EmitCore core;   // the step, its groups, where values are (a phase: a kernel)
+  EmitCore core;   // the step, its groups, where values are, the loop being emitted (a phase: a kernel)
   Buf out;         // the translation unit
   int **users;     // per node: the nodes that read it
   int *nusers;
@@ -99,12 +100,6 @@ typedef struct {
   int min_blocks; // blocks an SM must hold (__launch_bounds__'s second value, which caps registers), or
                   // 0, or FILL_SM: as many as the SM's threads allow
   int variant_of; // the launch (index in sl) of which the kernel being built is a variant, or -1
-  const char *loop_ix; // the current loop's own flat index (stores happen there)
-  int64_t loop_n;      // and the number of elements it visits
-  int post_anchor;     // inside the loop that follows (or is) this anchor's, else -1
-  const char *post_ix;
-  bool post_inloop;
-  int cur_q;
   int lane;            // four-lane body: the lane being written, else -1
   int out_cast[4];     // an attention forward's output: the bf16 CASTs it stores (rule 9)
   int nout_cast;
@@ -135,15 +130,17 @@ typedef struct {
   int64_t at, stride;
 } Rows;
 
-// How a row kernel spreads its rows over threads (cu_row_shape, emit_cuda_rows.c).
+// How a row kernel spreads its rows over threads (cu_row_shape).
 typedef struct {
   int tpr, npl, rpb, block; // threads per row, elements per thread, rows per block, block size
   int64_t groups, grid;
 } RowShape;
 
 //
-// emit_cuda.c
+// emit_cuda_kit.c: the toolkit the kernel families build with (they call nothing of emit_cuda.c's)
 //
+
+int64_t cu_align_up(int64_t x, int64_t a);
 
 void cu_note(Emit *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void cu_orelse(Emit *e);
@@ -161,54 +158,58 @@ void cu_relaunch(Emit *e, int kt, int64_t grid, int64_t chunk);
 void cu_gemm_add(Emit *e, CudaGemm gm);
 const char *cu_sh_double(Emit *e);
 const char *cu_sh_float(Emit *e);
-const char *cu_val(Emit *e, int n, const char *ix);
 void cu_flush_lanes(Emit *e);
-void cu_flush(Emit *e);
 Rows cu_rows_of(Emit *e, int n);
 const char *cu_rows_base(Emit *e, Rows r);
-void cu_post_inloop(Emit *e, int anchor, const int *q, int nq, const char *ix, int64_t n, const char *y);
-bool cu_whole(Emit *e, int a);
-
-//
-// emit_cuda_rows.c
-//
-
+// the target's hooks (emit_walk.h)
+const char *cu_local(EmitCore *core, int c, const char *ix);
+const char *cu_lanes(EmitCore *core, int c, const char *ix);
+void cu_store(EmitCore *core, int c, const char *ix, const char *v);
+const char *cu_base(EmitCore *core, int n);
+const char *cu_seed(EmitCore *core);
+const char *cu_fp8_cast(EmitCore *core, const IrNode *cast, const char *x);
+void cu_pw_loop(EmitCore *core, const int *nodes, int k, int64_t n, int post_anchor, const char *role);
 RowShape cu_row_shape(Emit *e, int64_t cols, int64_t groups, int most);
 const char *cu_rs_who(Emit *e, const RowShape *rs);
 void cu_rows_open(Emit *e, const RowShape *rs, const char *var);
 const char *cu_rsum(Emit *e, const RowShape *rs, const char *x);
 const char *cu_rfmax(Emit *e, const RowShape *rs, const char *x);
-void cu_emit_reduce(Emit *e, int gi, const bool *emitted);
-void cu_emit_norm_fwd(Emit *e, int gi, const bool *emitted);
-void cu_emit_norm_bwd(Emit *e, int gi, const bool *emitted);
-void cu_emit_softmax(Emit *e, int gi, const bool *emitted);
-void cu_emit_embed(Emit *e, int gi);
-void cu_emit_embed_bwd(Emit *e, int gi, const bool *emitted);
-void cu_emit_rope(Emit *e, int gi);
-void cu_emit_attn_mask(Emit *e, int gi);
-void cu_emit_max_bwd(Emit *e, int gi);
-void cu_emit_topk(Emit *e, int gi);
-void cu_emit_gather(Emit *e, int gi);
-void cu_emit_scatter(Emit *e, int gi);
+
+//
+// emit_cuda_rows.c
+//
+
+void cu_emit_reduce(EmitCore *core, int gi);
+void cu_emit_norm_fwd(EmitCore *core, int gi);
+void cu_emit_norm_bwd(EmitCore *core, int gi);
+void cu_emit_softmax(EmitCore *core, int gi);
+void cu_emit_embed(EmitCore *core, int gi);
+void cu_emit_embed_bwd(EmitCore *core, int gi);
+void cu_emit_rope(EmitCore *core, int gi);
+void cu_emit_attn_mask(EmitCore *core, int gi);
+void cu_emit_max_bwd(EmitCore *core, int gi);
+void cu_emit_topk(EmitCore *core, int gi);
+void cu_emit_gather(EmitCore *core, int gi);
+void cu_emit_scatter(EmitCore *core, int gi);
 
 //
 // emit_cuda_lmhead.c (its kernels call prelude.cuh's mdl_ce_row)
 //
 
-void cu_emit_ce(Emit *e, int gi);
-void cu_emit_lmhead(Emit *e, int gi);
+void cu_emit_ce(EmitCore *core, int gi);
+void cu_emit_lmhead(EmitCore *core, int gi);
 
 //
 // emit_cuda_attn.c (its tensor-core kernels instantiate prelude.cuh's mdl_att_fwd, mdl_att_dq, mdl_att_dkv)
 //
 
-void cu_emit_attention(Emit *e, int gi);
-void cu_emit_attention_bwd(Emit *e, int gi);
+void cu_emit_attention(EmitCore *core, int gi);
+void cu_emit_attention_bwd(EmitCore *core, int gi);
 
 //
 // emit_cuda_opt.c (its kernels instantiate prelude.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_update)
 //
 
-void cu_emit_optimizer(Emit *e, int gi);
+void cu_emit_optimizer(EmitCore *core, int gi);
 
 #endif

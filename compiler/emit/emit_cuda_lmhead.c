@@ -2,6 +2,7 @@
 // chunks of rows). See emit_cuda.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "emit_cuda.h"
 #include "emit_cuda_impl.h"
 
@@ -37,7 +38,8 @@ static int ce_width(int64_t stride, int xs, int ds) {
 static RowShape ce_shape(Emit *e, int64_t v, int64_t rows) { return cu_row_shape(e, v, rows, 64); }
 
 // CROSS_ENTROPY and / or CROSS_ENTROPY_BWD over the same logits: one pass per row.
-void cu_emit_ce(Emit *e, int gi) {
+void cu_emit_ce(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   int ce = -1, ceb = -1;
   for (int i = 0; i < gr->nmem; i++)
@@ -46,12 +48,8 @@ void cu_emit_ce(Emit *e, int gi) {
   int64_t v = ec_last_dim(&e->core, nd->in[0]), rows = ec_numel(&e->core, nd->in[1]);
   int lg = ec_need(&e->core, nd->in[0]), tg = ec_need(&e->core, nd->in[1]),
       dl = ceb >= 0 ? ec_need(&e->core, ec_node(&e->core, ceb)->in[2]) : -1;
-  cu_flush(e);
-  for (int i = 0; i < gr->nmem; i++)
-    if (ec_offset(&e->core, gr->mem[i]) < 0)
-      e->core.scratch[gr->mem[i]] = true;
+  ew_outputs_open(&e->core, gr->mem, gr->nmem);
   RowShape rs = ce_shape(e, v, rows);
-  ec_phase_begin(&e->core);
   cu_kbegin(e, "");
   cu_note(e, "cross-entropy%s: %lld rows of %lld, %s per row",
           ceb >= 0 ? (ce >= 0 ? " and its gradient" : " gradient") : "", (long long)rows, (long long)v,
@@ -64,9 +62,7 @@ void cu_emit_ce(Emit *e, int gi) {
          ce_width(v, (int)dtype_size(ec_node(&e->core, lg)->dtype), ceb >= 0 ? 4 : 0));
   ec_leave(&e->core);
   cu_kend(e, rs.grid, rs.block);
-  for (int i = 0; i < gr->nmem; i++)
-    ec_phase_done(&e->core, gr->mem[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, gr->mem, gr->nmem);
 }
 
 enum { LMHEAD_BYTES = 1 << 30 }; // the most bytes of logits of one chunk of the LM head
@@ -86,14 +82,15 @@ enum { LMHEAD_BYTES = 1 << 30 }; // the most bytes of logits of one chunk of the
 // padding's logits are 0 and never read) and the dx GEMM sums over vp classes (the kernel writes
 // the padding's dlogits as 0): with every dimension a multiple of 64 the two run several times
 // faster on an H200 than over GPT-2's 50257 classes (llm.c pads its vocabulary to 50304 for this).
-void cu_emit_lmhead(Emit *e, int gi) {
+void cu_emit_lmhead(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   const Group *gr = &e->core.groups[gi];
   const IrNode *xm = ec_node(&e->core, gr->x);
   int64_t n = xm->shape.d[0], c = xm->shape.d[1], v = ec_last_dim(&e->core, gr->mm);
   bool bwd = gr->ceb >= 0; // (a graph without a backward: the logits GEMM and the loss alone)
   int x = ec_need(&e->core, gr->x), w = ec_need(&e->core, gr->w), tg = ec_need(&e->core, gr->tgt),
       dl = bwd ? ec_need(&e->core, gr->dloss) : -1;
-  cu_flush(e);
+  ew_flush(&e->core);
   DType ab = ec_node(&e->core, x)->dtype;
   bool d16 = gr->dlc >= 0, l16 = gr->lc >= 0;
   if (ec_node(&e->core, w)->dtype != ab || (bwd && (d16 != (ab == DT_BF16) || (l16 && !d16))))
@@ -185,7 +182,5 @@ void cu_emit_lmhead(Emit *e, int gi) {
                                 .batch = 1, .a = ox + sab * r0 * c, .b = grads, .c = odw, .beta = r0 ? 1.0f : 0.0f,
                                 .bias = -1, .aux = -1});
   }
-  for (int i = 0; i < nout; i++)
-    ec_phase_done(&e->core, outs[i]);
-  ec_phase_end(&e->core);
+  ew_outputs_done(&e->core, outs, nout);
 }

@@ -2,6 +2,7 @@
 // softmax, embed and its backward, rope, masks). See emit_cuda.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
+#include "emit_walk.h"
 #include "emit_cuda.h"
 #include "emit_cuda_impl.h"
 
@@ -11,51 +12,8 @@
 #include <string.h>
 
 //
-// Rows: a warp per row, or a block for long rows, the row's elements spread over the threads
-// (element j of the row lives in thread j % TPR, slot j / TPR).
+// Rows (cu_row_shape): the loops over a thread's elements of a row.
 //
-
-// The fewest threads per row (a warp at least, a power of two) that hold at most `most` elements each.
-RowShape cu_row_shape(Emit *e, int64_t cols, int64_t groups, int most) {
-  int tpr = 32;
-  while (tpr < 1024 && (cols + tpr - 1) / tpr > most)
-    tpr *= 2;
-  RowShape rs = {tpr, (int)((cols + tpr - 1) / tpr), tpr == 32 ? BLOCK / 32 : 1, tpr == 32 ? BLOCK : tpr, groups, 0};
-  rs.grid = (groups + rs.rpb - 1) / rs.rpb;
-  if (rs.npl > 64)
-    ec_fail(&e->core, "step %s: rows of %lld elements are too long", e->core.f->steps[e->core.si].name,
-            (long long)cols);
-  return rs;
-}
-
-const char *cu_rs_who(Emit *e, const RowShape *rs) {
-  return rs->tpr == 32 ? "a warp" : ec_str(&e->core, "a block of %d threads", rs->tpr);
-}
-
-// Opens the scope of row group `var` (r, or k for blocks of rows); tr is the thread within the row.
-void cu_rows_open(Emit *e, const RowShape *rs, const char *var) {
-  if (rs->tpr == 32) {
-    ec_line(&e->core, "const %s %s = blockIdx.x * %d + (threadIdx.x >> 5);", e->core.ixt, var, rs->rpb);
-    ec_line(&e->core, "const int tr = threadIdx.x & 31;");
-  } else {
-    ec_line(&e->core, "const %s %s = blockIdx.x;", e->core.ixt, var);
-    ec_line(&e->core, "const int tr = threadIdx.x;");
-  }
-  if (rs->grid * rs->rpb > rs->groups)
-    ec_enter(&e->core, "if (%s < %lld)", var, (long long)rs->groups);
-  else
-    ec_enter(&e->core, "%s", "");
-}
-
-const char *cu_rsum(Emit *e, const RowShape *rs, const char *x) {
-  return rs->tpr == 32 ? ec_str(&e->core, "mdl_warp_sum(%s)", x)
-                       : ec_str(&e->core, "mdl_block_sum(%s, %s)", x, cu_sh_double(e));
-}
-
-const char *cu_rfmax(Emit *e, const RowShape *rs, const char *x) {
-  return rs->tpr == 32 ? ec_str(&e->core, "mdl_warp_fmax(%s)", x)
-                       : ec_str(&e->core, "mdl_block_fmax(%s, %s)", x, cu_sh_float(e));
-}
 
 // A loop over this thread's elements of row r: opens "for t", then "if (j < cols)" with ix = r * cols + j.
 static void row_each(Emit *e, const RowShape *rs, int64_t cols) {
@@ -86,13 +44,13 @@ static void row_load(Emit *e, const RowShape *rs, int x, const char *name, int64
     ec_line(&e->core, "%s[t] = 0.0f;", name);
     ec_enter(&e->core, "if (j < %lld)", (long long)cols);
     ec_line(&e->core, "const %s ix = r * %lld + j;", e->core.ixt, (long long)cols);
-    const char *save = e->loop_ix;
-    int64_t save_n = e->loop_n;
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
-    ec_line(&e->core, "%s[t] = %s;", name, cu_val(e, x, "ix"));
-    e->loop_ix = save;
-    e->loop_n = save_n;
+    const char *save = e->core.loop_ix;
+    int64_t save_n = e->core.loop_n;
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, x);
+    ec_line(&e->core, "%s[t] = %s;", name, ew_val(&e->core, x, "ix"));
+    e->core.loop_ix = save;
+    e->core.loop_n = save_n;
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
@@ -185,127 +143,100 @@ static void accumulate(Emit *e, bool max) {
     ec_line(&e->core, "acc += v;");
 }
 
-// Output r of a reduction from its accumulator: stored, then the outputs computed after it.
-static void reduce_finish(Emit *e, int a, bool buf, const int *q, int nq) {
-  const IrNode *nd = ec_node(&e->core, a);
-  int64_t len = ec_node(&e->core, nd->in[0])->shape.d[nd->ia[0]];
-  if (nd->op == OP_MEAN)
-    ec_line(&e->core, "const float y = (float)(acc / %lld);", (long long)len);
-  else if (nd->op == OP_TARGET_COUNT)
-    ec_line(&e->core, "const float y = (float)(acc > 1.0 ? acc : 1.0);");
-  else
-    ec_line(&e->core, "const float y = (float)acc;");
-  if (buf)
-    ec_line(&e->core, "%s[r] = y;", cu_ptr(e, a));
-  cu_post_inloop(e, a, q, nq, "r", ec_numel(&e->core, a), "y");
-}
-
 // SUM / MEAN / MAX over one axis (the input as [outer, len, inner]), the input computed inline;
 // TARGET_COUNT as a sum over all its targets of 1 for each counted one. Contiguous rows: a warp per
 // output (a thread when rows are short); few long rows: per-block partials, then a warp per output
 // adds them. Strided: a thread per output, or, for long axes, partials per block of the axis added in
 // block order.
-void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
-  int a = e->core.groups[gi].mem[0];
-  const IrNode *nd = ec_node(&e->core, a);
-  int x = nd->in[0];
-  Shape s = ec_node(&e->core, x)->shape;
-  if (nd->op == OP_TARGET_COUNT) // (over every target)
-    s = (Shape){.rank = 1, .d = {ec_numel(&e->core, x)}};
-  int ax = (int)nd->ia[0];
-  int64_t outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank), on = outer * inner;
-  bool max = nd->op == OP_MAX, buf = cu_whole(e, a);
-  int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, on, emitted, q);
-  int *side = ec_xcalloc((size_t)e->core.g->n, sizeof *side);
-  int nside = ec_side_set(&e->core, gi, ec_numel(&e->core, x), emitted, side);
-  const char *acc_t = max ? "float" : "double", *init = max ? "-MDL_INF" : "0.0", *ixt = e->core.ixt;
-  const char *what = op_name(nd->op);
-  ec_phase_begin(&e->core);
-  bool two = inner == 1 ? on < 128 && len >= 32768 : len >= 128 && on <= 65536;
-  if (!two && (inner > 1 || len <= 32)) {
+void cu_emit_reduce(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
+  EwReduce rd;
+  ew_reduce_open(&e->core, gi, &rd);
+  const char *init = rd.max ? "-MDL_INF" : "0.0", *ixt = e->core.ixt, *what = op_name(rd.nd->op);
+  bool two = rd.inner == 1 ? rd.on < 128 && rd.len >= 32768 : rd.len >= 128 && rd.on <= 65536;
+  if (!two && (rd.inner > 1 || rd.len <= 32)) {
     cu_kbegin(e, "");
-    cu_note(e, "%s: %lld outputs over %lld elements, a thread per output", what, (long long)on, (long long)len);
+    cu_note(e, "%s: %lld outputs over %lld elements, a thread per output", what, (long long)rd.on, (long long)rd.len);
     ec_enter(&e->core, "for (%s r = blockIdx.x * blockDim.x + threadIdx.x; r < %lld; r += gridDim.x * blockDim.x)", ixt,
-             (long long)on);
-    if (inner == 1)
-      ec_line(&e->core, "const %s base = r * %lld;", ixt, (long long)len);
+             (long long)rd.on);
+    if (rd.inner == 1)
+      ec_line(&e->core, "const %s base = r * %lld;", ixt, (long long)rd.len);
     else
-      ec_line(&e->core, "const %s base = r / %lld * %lld + r %% %lld;", ixt, (long long)inner, (long long)(len * inner),
-              (long long)inner);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
-    ec_enter(&e->core, "for (%s l = 0; l < %lld; l++)", ixt, (long long)len);
+      ec_line(&e->core, "const %s base = r / %lld * %lld + r %% %lld;", ixt, (long long)rd.inner,
+              (long long)(rd.len * rd.inner), (long long)rd.inner);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
+    ec_enter(&e->core, "for (%s l = 0; l < %lld; l++)", ixt, (long long)rd.len);
     ec_line(&e->core, "const %s ix = base + l%s;", ixt,
-            inner == 1 ? "" : ec_str(&e->core, " * %lld", (long long)inner));
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
-    ec_reduce_input(&e->core, a, side, nside);
-    accumulate(e, max);
+            rd.inner == 1 ? "" : ec_str(&e->core, " * %lld", (long long)rd.inner));
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, rd.x);
+    ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
-    reduce_finish(e, a, buf, q, nq);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
-    cu_kend(e, cu_grid_for(on, cu_block_for(on)), cu_block_for(on));
+    cu_kend(e, cu_grid_for(rd.on, cu_block_for(rd.on)), cu_block_for(rd.on));
   } else if (!two) {
     cu_kbegin(e, "");
-    cu_note(e, "%s: %lld outputs over %lld elements, a warp per output", what, (long long)on, (long long)len);
+    cu_note(e, "%s: %lld outputs over %lld elements, a warp per output", what, (long long)rd.on, (long long)rd.len);
     ec_line(&e->core, "const %s r = blockIdx.x * %d + (threadIdx.x >> 5);", ixt, BLOCK / 32);
     ec_line(&e->core, "const int lane = threadIdx.x & 31;");
-    ec_enter(&e->core, "if (r < %lld)", (long long)on);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
-    ec_enter(&e->core, "for (%s l = lane; l < %lld; l += 32)", ixt, (long long)len);
-    ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)len);
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
-    ec_reduce_input(&e->core, a, side, nside);
-    accumulate(e, max);
+    ec_enter(&e->core, "if (r < %lld)", (long long)rd.on);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
+    ec_enter(&e->core, "for (%s l = lane; l < %lld; l += 32)", ixt, (long long)rd.len);
+    ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)rd.len);
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, rd.x);
+    ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
-    ec_line(&e->core, "acc = %s(acc);", max ? "mdl_warp_max_nan" : "mdl_warp_sum");
+    ec_line(&e->core, "acc = %s(acc);", rd.max ? "mdl_warp_max_nan" : "mdl_warp_sum");
     ec_enter(&e->core, "if (lane == 0)");
-    reduce_finish(e, a, buf, q, nq);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
     ec_leave(&e->core);
-    cu_kend(e, (on + BLOCK / 32 - 1) / (BLOCK / 32), BLOCK);
-  } else if (inner == 1) {
-    int64_t bl = 8192, nb = (len + bl - 1) / bl;
-    int64_t part = cu_scratch_alloc(e, on * nb * 8);
+    cu_kend(e, (rd.on + BLOCK / 32 - 1) / (BLOCK / 32), BLOCK);
+  } else if (rd.inner == 1) {
+    int64_t bl = 8192, nb = (rd.len + bl - 1) / bl;
+    int64_t part = cu_scratch_alloc(e, rd.on * nb * 8);
     cu_kbegin(e, "partial");
-    cu_note(e, "%s: %lld outputs over %lld elements, first %lld blocks of %lld per output", what, (long long)on,
-            (long long)len, (long long)nb, (long long)bl);
-    const char *p = cu_raw_ptr(e, part, acc_t, "partial results");
+    cu_note(e, "%s: %lld outputs over %lld elements, first %lld blocks of %lld per output", what, (long long)rd.on,
+            (long long)rd.len, (long long)nb, (long long)bl);
+    const char *p = cu_raw_ptr(e, part, rd.acc_t, "partial results");
     ec_line(&e->core, "const %s r = blockIdx.x / %lld, k = blockIdx.x %% %lld;", ixt, (long long)nb, (long long)nb);
     ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", ixt, (long long)bl,
-            (long long)bl, (long long)len, (long long)bl, (long long)bl, (long long)len);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
+            (long long)bl, (long long)rd.len, (long long)bl, (long long)bl, (long long)rd.len);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
     ec_enter(&e->core, "for (%s l = k * %lld + threadIdx.x; l < end; l += blockDim.x)", ixt, (long long)bl);
-    ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)len);
-    e->loop_ix = "ix";
-    e->loop_n = ec_numel(&e->core, x);
-    ec_reduce_input(&e->core, a, side, nside);
-    accumulate(e, max);
+    ec_line(&e->core, "const %s ix = r * %lld + l;", ixt, (long long)rd.len);
+    e->core.loop_ix = "ix";
+    e->core.loop_n = ec_numel(&e->core, rd.x);
+    ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
     ec_line(&e->core, "acc = %s;",
-            max ? ec_str(&e->core, "mdl_block_max_nan(acc, %s)", cu_sh_float(e))
+            rd.max ? ec_str(&e->core, "mdl_block_max_nan(acc, %s)", cu_sh_float(e))
                 : ec_str(&e->core, "mdl_block_sum(acc, %s)", cu_sh_double(e)));
     ec_line(&e->core, "if (threadIdx.x == 0)");
     ec_line(&e->core, "  %s[blockIdx.x] = acc;", p);
-    cu_kend(e, on * nb, BLOCK);
+    cu_kend(e, rd.on * nb, BLOCK);
     cu_kbegin(e, "");
     cu_note(e, "%s: the %lld partial results of each output added in order, a warp per output", what, (long long)nb);
-    p = cu_raw_ptr(e, part, acc_t, "partial results");
+    p = cu_raw_ptr(e, part, rd.acc_t, "partial results");
     ec_line(&e->core, "const %s r = blockIdx.x * %d + (threadIdx.x >> 5);", ixt, BLOCK / 32);
     ec_line(&e->core, "const int lane = threadIdx.x & 31;");
-    ec_enter(&e->core, "if (r < %lld)", (long long)on);
-    ec_line(&e->core, "%s acc = %s;", acc_t, init);
+    ec_enter(&e->core, "if (r < %lld)", (long long)rd.on);
+    ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
     ec_enter(&e->core, "for (%s k = lane; k < %lld; k += 32)", ixt, (long long)nb);
-    ec_line(&e->core, "const %s v = %s[r * %lld + k];", acc_t, p, (long long)nb);
-    accumulate(e, max);
+    ec_line(&e->core, "const %s v = %s[r * %lld + k];", rd.acc_t, p, (long long)nb);
+    accumulate(e, rd.max);
     ec_leave(&e->core);
-    ec_line(&e->core, "acc = %s(acc);", max ? "mdl_warp_max_nan" : "mdl_warp_sum");
+    ec_line(&e->core, "acc = %s(acc);", rd.max ? "mdl_warp_max_nan" : "mdl_warp_sum");
     ec_enter(&e->core, "if (lane == 0)");
-    reduce_finish(e, a, buf, q, nq);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
     ec_leave(&e->core);
-    cu_kend(e, (on + BLOCK / 32 - 1) / (BLOCK / 32), BLOCK);
+    cu_kend(e, (rd.on + BLOCK / 32 - 1) / (BLOCK / 32), BLOCK);
   } else {
     // About two threads per thread slot of an H100/H200 (132 SMs of 2048): a column sum is bound by
     // memory, and only many loads in flight keep it busy. Where the columns come in fours (inner a
@@ -313,34 +244,34 @@ void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
     // for the four (a four-lane body, as pw_loop's), and the axis is cut into 4 times the blocks:
     // each column still adds its rows in order, and GPT-2's gelu backward column partials, a float
     // a thread per load with the stores between, moved their 250 MB at 1.9 TB/s on an H200.
-    bool vec = inner % 4 == 0;
+    bool vec = rd.inner % 4 == 0;
     int64_t per = vec ? 4 : 1, goal = 262144 * per;
-    int64_t nb = goal / on < 1 ? 1 : goal / on;
-    if (nb > (len + 7) / 8)
-      nb = (len + 7) / 8;
-    int64_t bl = (len + nb - 1) / nb;
-    nb = (len + bl - 1) / bl;
-    int64_t part = cu_scratch_alloc(e, on * nb * 8), work = on / per * nb;
+    int64_t nb = goal / rd.on < 1 ? 1 : goal / rd.on;
+    if (nb > (rd.len + 7) / 8)
+      nb = (rd.len + 7) / 8;
+    int64_t bl = (rd.len + nb - 1) / nb;
+    nb = (rd.len + bl - 1) / bl;
+    int64_t part = cu_scratch_alloc(e, rd.on * nb * 8), work = rd.on / per * nb;
     cu_kbegin(e, "partial");
     // (sized for one wave of full SMs: 32 registers a thread, which ptxas meets with a 4-byte spill
     // where the four lanes' GELU backward took 37, 6 blocks of 256 an SM)
     e->min_blocks = vec && cu_block_for(work) == BLOCK ? FILL_SM : 0;
     cu_note(e, "%s: %lld outputs over %lld elements, first partial results over %lld blocks of %lld%s", what,
-            (long long)on, (long long)len, (long long)nb, (long long)bl, vec ? ", 4 outputs per thread" : "");
-    const char *p = cu_raw_ptr(e, part, acc_t, "partial results");
+            (long long)rd.on, (long long)rd.len, (long long)nb, (long long)bl, vec ? ", 4 outputs per thread" : "");
+    const char *p = cu_raw_ptr(e, part, rd.acc_t, "partial results");
     ec_enter(&e->core, "for (%s u = blockIdx.x * blockDim.x + threadIdx.x; u < %lld; u += gridDim.x * blockDim.x)", ixt,
              (long long)work);
-    ec_line(&e->core, "const %s k = u / %lld, r = u %% %lld%s;", ixt, (long long)(on / per), (long long)(on / per),
-            vec ? " * 4" : "");
-    ec_line(&e->core, "const %s base = r / %lld * %lld + r %% %lld;", ixt, (long long)inner, (long long)(len * inner),
-            (long long)inner);
+    ec_line(&e->core, "const %s k = u / %lld, r = u %% %lld%s;", ixt, (long long)(rd.on / per),
+            (long long)(rd.on / per), vec ? " * 4" : "");
+    ec_line(&e->core, "const %s base = r / %lld * %lld + r %% %lld;", ixt, (long long)rd.inner,
+            (long long)(rd.len * rd.inner), (long long)rd.inner);
     ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", ixt, (long long)bl,
-            (long long)bl, (long long)len, (long long)bl, (long long)bl, (long long)len);
-    e->loop_n = ec_numel(&e->core, x);
+            (long long)bl, (long long)rd.len, (long long)bl, (long long)bl, (long long)rd.len);
+    e->core.loop_n = ec_numel(&e->core, rd.x);
     if (vec) {
-      ec_line(&e->core, "%s acc0 = %s, acc1 = %s, acc2 = %s, acc3 = %s;", acc_t, init, init, init, init);
+      ec_line(&e->core, "%s acc0 = %s, acc1 = %s, acc2 = %s, acc3 = %s;", rd.acc_t, init, init, init, init);
       ec_enter(&e->core, "for (%s l = k * %lld; l < end; l++)", ixt, (long long)bl);
-      ec_line(&e->core, "const %s i0 = base + l * %lld;", ixt, (long long)inner);
+      ec_line(&e->core, "const %s i0 = base + l * %lld;", ixt, (long long)rd.inner);
       for (int lane = 1; lane < 4; lane++) // (each declaration on a line of its own: unused ones are dropped)
         ec_line(&e->core, "const %s i%d = i0 + %d;", ixt, lane, lane);
       ec_line(&e->core, "const %s q = i0 / 4; // the four lanes' float4", ixt);
@@ -351,12 +282,12 @@ void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
           e->core.stored[e->core.phase_nodes[i]] = false;
         e->core.nphase = mark;
         e->lane = lane;
-        e->loop_ix = ix;
-        const char *v = cu_val(e, x, ix);
-        for (int t = 0; t < nside; t++)
-          if (!e->core.stored[side[t]])
-            cu_val(e, side[t], ix);
-        if (max)
+        e->core.loop_ix = ix;
+        const char *v = ew_val(&e->core, rd.x, ix);
+        for (int t = 0; t < rd.nside; t++)
+          if (!e->core.stored[rd.side[t]])
+            ew_val(&e->core, rd.side[t], ix);
+        if (rd.max)
           ec_line(&e->core, "acc%d = mdl_max_nan(acc%d, %s);", lane, lane, v);
         else
           ec_line(&e->core, "acc%d += %s;", lane, v);
@@ -365,15 +296,15 @@ void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
       e->lane = -1;
       ec_leave(&e->core);
       for (int lane = 0; lane < 4; lane++)
-        ec_line(&e->core, "%s[k * %lld + r%s] = acc%d;", p, (long long)on,
+        ec_line(&e->core, "%s[k * %lld + r%s] = acc%d;", p, (long long)rd.on,
                 lane ? ec_str(&e->core, " + %d", lane) : "", lane);
     } else {
-      ec_line(&e->core, "%s acc = %s;", acc_t, init);
+      ec_line(&e->core, "%s acc = %s;", rd.acc_t, init);
       ec_enter(&e->core, "for (%s l = k * %lld; l < end; l++)", ixt, (long long)bl);
-      ec_line(&e->core, "const %s ix = base + l * %lld;", ixt, (long long)inner);
-      e->loop_ix = "ix";
-      ec_reduce_input(&e->core, a, side, nside);
-      accumulate(e, max);
+      ec_line(&e->core, "const %s ix = base + l * %lld;", ixt, (long long)rd.inner);
+      e->core.loop_ix = "ix";
+      ec_reduce_input(&e->core, rd.a, rd.side, rd.nside);
+      accumulate(e, rd.max);
       ec_leave(&e->core);
       ec_line(&e->core, "%s[u] = acc;", p);
     }
@@ -381,35 +312,35 @@ void cu_emit_reduce(Emit *e, int gi, const bool *emitted) {
     cu_kend(e, cu_grid_for(work, BLOCK), cu_block_for(work));
     cu_kbegin(e, "");
     cu_note(e, "%s: the %lld partial results of each output added, a block per %d outputs in %d groups of rows",
-            what, (long long)nb, colsum_width(nb, on), colsum_block(nb) / colsum_width(nb, on));
-    p = cu_raw_ptr(e, part, acc_t, "partial results");
+            what, (long long)nb, colsum_width(nb, rd.on), colsum_block(nb) / colsum_width(nb, rd.on));
+    p = cu_raw_ptr(e, part, rd.acc_t, "partial results");
     const char *acc = "acc";
-    colsum_open(e, nb, on, &p, &acc, 1, max);
-    reduce_finish(e, a, buf, q, nq);
+    colsum_open(e, nb, rd.on, &p, &acc, 1, rd.max);
+    ew_reduce_finish(&e->core, &rd);
     ec_leave(&e->core);
-    cu_kend(e, colsum_grid(nb, on), colsum_block(nb));
+    cu_kend(e, colsum_grid(nb, rd.on), colsum_block(nb));
   }
-  e->loop_ix = NULL;
-  if (buf)
-    ec_phase_done(&e->core, a);
+  e->core.loop_ix = NULL;
+  if (rd.buf)
+    ec_phase_done(&e->core, rd.a);
   ec_phase_end(&e->core);
-  free(q);
-  free(side);
+  ew_reduce_close(&rd);
 }
 
 // LAYERNORM / RMSNORM forward, a warp (or block) per row, the row in registers; x (the residual sum)
 // computed inline.
-void cu_emit_norm_fwd(Emit *e, int gi, const bool *emitted) {
+void cu_emit_norm_fwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   bool ln = nd->op == OP_LAYERNORM;
   int64_t cols = ec_last_dim(&e->core, a), rows = ec_numel(&e->core, a) / cols;
   row_inline(e, nd->in[0]);
   int w = ec_need(&e->core, nd->in[1]), bias = ln ? ec_need(&e->core, nd->in[2]) : -1;
-  cu_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
-  bool buf = cu_whole(e, a);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), e->core.emitted, q);
+  bool buf = ew_whole(&e->core, a);
   RowShape rs = cu_row_shape(e, cols, rows, 32);
   ec_phase_begin(&e->core);
   cu_kbegin(e, "");
@@ -440,11 +371,11 @@ void cu_emit_norm_fwd(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const float y = (float)(xv[t] * sc * %s[j]);", cu_ptr(e, w));
   if (buf)
     ec_line(&e->core, "%s[ix] = y;", cu_ptr(e, a));
-  cu_post_inloop(e, a, q, nq, "ix", ec_numel(&e->core, a), "y");
+  ew_post_inloop(&e->core, a, q, nq, "ix", ec_numel(&e->core, a), "y");
   row_each_end(e);
   ec_leave(&e->core);
   cu_kend(e, rs.grid, rs.block);
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   if (buf)
     ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
@@ -503,86 +434,107 @@ static void norm_stage_row(Emit *e, const NormStage *st, const RowShape *rs, int
   ec_line(&e->core, "mdl_cp_async_commit();");
 }
 
-// LAYERNORM_BWD / RMSNORM_BWD siblings: dx per row; dw (and db) as column sums: each row group
-// adds a fixed block of rows into per-column partials, then the column sums add the blocks in a fixed
-// order (colsum_open).
-void cu_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
+// The state of a norm backward's emission (cu_emit_norm_bwd), shared by its steps.
+typedef struct {
+  const IrNode *nd;
+  bool ln;                           // LAYERNORM_BWD, else RMSNORM_BWD
+  int dx, dw, db, sums[EC_MAX_COLSUMS], nsum; // the members (ec_norm_members), -1 where absent
+  int x, dy, w;                      // the inputs (w: the weight, read by dx only, else -1)
+  int64_t cols, rows;
+  int *q, nq;                        // the outputs computed in dx's loop
+  bool dxbuf, cols_sum;              // dx is whole in memory; there are column sums (dw, db, sums)
+  int64_t bl, nb;                    // rows per block of column partials, blocks
+  const char *at;                    // the partials' type
+  int64_t pdw, pdb, psum[EC_MAX_COLSUMS]; // their scratch, or -1
+  RowShape rs;
+  const char *ixt;
+  NormStage st;                      // the rows staged in shared memory
+  const char *xv, *dyv;              // a thread's x and dy at element t (j)
+  const char *sw, *sb, *ss[EC_MAX_COLSUMS], *wp; // pointers of the first kernel
+} NormBwd;
+
+// The plan of group gi's norm backward: its members, its inputs made ready (ew_flush), the blocks of
+// rows of its column partials and their scratch, the row shape and what is staged.
+static void norm_bwd_plan(Emit *e, int gi, NormBwd *p) {
   const Group *gr = &e->core.groups[gi];
-  const IrNode *nd = ec_node(&e->core, gr->mem[0]);
-  bool ln = nd->op == OP_LAYERNORM_BWD;
-  int dx, dw, db, sums[EC_MAX_COLSUMS], nsum = ec_norm_members(&e->core, gi, &dx, &dw, &db, sums);
-  int x = nd->in[0], dy = nd->in[2];
-  int64_t cols = ec_last_dim(&e->core, x), rows = ec_numel(&e->core, x) / cols;
-  row_inline(e, x);
-  row_inline(e, dy);
-  int w = dx >= 0 ? ec_need(&e->core, nd->in[1]) : -1; // (the weight scales dx only)
-  cu_flush(e);
-  int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, dx), emitted, q) : 0;
-  bool dxbuf = dx >= 0 && cu_whole(e, dx);
-  bool cols_sum = dw >= 0 || db >= 0 || nsum > 0;
-  int64_t bl = cols_sum ? (rows + 1023) / 1024 : 1, nb = (rows + bl - 1) / bl;
+  p->nd = ec_node(&e->core, gr->mem[0]);
+  p->ln = p->nd->op == OP_LAYERNORM_BWD;
+  p->nsum = ec_norm_members(&e->core, gi, &p->dx, &p->dw, &p->db, p->sums);
+  p->x = p->nd->in[0], p->dy = p->nd->in[2];
+  p->cols = ec_last_dim(&e->core, p->x), p->rows = ec_numel(&e->core, p->x) / p->cols;
+  row_inline(e, p->x);
+  row_inline(e, p->dy);
+  p->w = p->dx >= 0 ? ec_need(&e->core, p->nd->in[1]) : -1; // (the weight scales dx only)
+  ew_flush(&e->core);
+  p->q = ec_xcalloc((size_t)e->core.g->n, sizeof *p->q);
+  p->nq = p->dx >= 0 ? ec_post_set(&e->core, gi, ec_numel(&e->core, p->dx), e->core.emitted, p->q) : 0;
+  p->dxbuf = p->dx >= 0 && ew_whole(&e->core, p->dx);
+  p->cols_sum = p->dw >= 0 || p->db >= 0 || p->nsum > 0;
+  p->bl = p->cols_sum ? (p->rows + 1023) / 1024 : 1, p->nb = (p->rows + p->bl - 1) / p->bl;
   // A lane's column sums over its block's rows: in f32 over at most NORM_F32_ROWS rows (a row of 768
   // takes 24 of them per lane and sum; double accumulators would spill registers), else in double.
   // The partials keep that type (an f32 sum stored as f32 loses nothing, in half the bytes: 9.4 MB
   // instead of 18.9 written and read back per GPT-2 norm backward) and are added in double.
-  const char *at = bl <= NORM_F32_ROWS ? "float" : "double";
-  int64_t psz = bl <= NORM_F32_ROWS ? 4 : 8;
-  int64_t pdw = dw >= 0 ? cu_scratch_alloc(e, nb * cols * psz) : -1;
-  int64_t pdb = db >= 0 ? cu_scratch_alloc(e, nb * cols * psz) : -1;
-  int64_t psum[EC_MAX_COLSUMS];
-  for (int i = 0; i < nsum; i++)
-    psum[i] = cu_scratch_alloc(e, nb * cols * psz);
+  p->at = p->bl <= NORM_F32_ROWS ? "float" : "double";
+  int64_t psz = p->bl <= NORM_F32_ROWS ? 4 : 8;
+  p->pdw = p->dw >= 0 ? cu_scratch_alloc(e, p->nb * p->cols * psz) : -1;
+  p->pdb = p->db >= 0 ? cu_scratch_alloc(e, p->nb * p->cols * psz) : -1;
+  for (int i = 0; i < p->nsum; i++)
+    p->psum[i] = cu_scratch_alloc(e, p->nb * p->cols * psz);
   // With column sums there are at most 1024 groups of rows (1024 partials per column), so a group gets
   // a block of threads (up to NORM_LANE_ELEMS elements per lane) rather than a warp: GPT-2's 8192 rows
   // of 768 are then 4096 warps of 6 elements a lane, not 1024 warps (128 blocks, under one wave on
   // 132 SMs) of 24 at 244 registers.
-  RowShape rs = cu_row_shape(e, cols, nb, cols_sum ? NORM_LANE_ELEMS : 32);
-  const char *ixt = e->core.ixt;
-  NormStage st = {0};
-  if (cols_sum && rs.tpr > 32 && bl > 1 && (dx >= 0 || dw >= 0))
-    st = norm_stage(e, x, dy, q, nq, cols);
+  p->rs = cu_row_shape(e, p->cols, p->nb, p->cols_sum ? NORM_LANE_ELEMS : 32);
+  p->ixt = e->core.ixt;
+  if (p->cols_sum && p->rs.tpr > 32 && p->bl > 1 && (p->dx >= 0 || p->dw >= 0))
+    p->st = norm_stage(e, p->x, p->dy, p->q, p->nq, p->cols);
   // A thread's x and dy at element t (j): in registers, or staged, in this row's buffers.
-  const char *xv = st.n ? "xs[j]" : "xv[t]", *dyv = st.n ? "dys[j]" : "dyv[t]";
-  ec_phase_begin(&e->core);
+  p->xv = p->st.n ? "xs[j]" : "xv[t]", p->dyv = p->st.n ? "dys[j]" : "dyv[t]";
+}
+
+// The first kernel: its partials' pointers, the row group's scope, its accumulators of column partials
+// and its loop over the block's rows, each row's x and dy loaded (or staged).
+static void norm_bwd_open(Emit *e, NormBwd *p) {
   cu_kbegin(e, "");
   // Each block's rows are a chain of loads and block reductions, so the kernel takes as long as its
   // waves of blocks: at most 64 registers a thread (32 warps an SM) puts GPT-2's 1024 blocks of 128
   // threads in one wave on 132 SMs, where the 72 that ptxas chose (sm_90) fitted 7 blocks an SM, 924.
-  if (cols_sum)
-    e->min_blocks = 1024 / rs.block;
-  cu_note(e, "%s: %lld rows of %lld, %s per row%s", op_name(nd->op), (long long)rows, (long long)cols,
-          cu_rs_who(e, &rs),
-          cols_sum ? ec_str(&e->core, "; column partials over %lld blocks of %lld rows", (long long)nb, (long long)bl)
-                   : "");
-  const char *sw = pdw >= 0 ? cu_raw_ptr(e, pdw, at, "dw partials") : NULL;
-  const char *sb = pdb >= 0 ? cu_raw_ptr(e, pdb, at, "db partials") : NULL, *ss[EC_MAX_COLSUMS];
-  for (int i = 0; i < nsum; i++)
-    ss[i] = cu_raw_ptr(e, psum[i], at, "column sum partials");
-  cu_rows_open(e, &rs, cols_sum ? "k" : "r");
-  if (cols_sum) {
-    if (sw)
-      ec_line(&e->core, "%s sw[%d] = {0};", at, rs.npl);
-    if (sb)
-      ec_line(&e->core, "%s sb[%d] = {0};", at, rs.npl);
-    for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "%s sa%d[%d] = {0};", at, i, rs.npl);
-    ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", ixt, (long long)bl,
-            (long long)bl, (long long)rows, (long long)bl, (long long)bl, (long long)rows);
-    if (st.n) {
+  if (p->cols_sum)
+    e->min_blocks = 1024 / p->rs.block;
+  cu_note(e, "%s: %lld rows of %lld, %s per row%s", op_name(p->nd->op), (long long)p->rows, (long long)p->cols,
+          cu_rs_who(e, &p->rs),
+          p->cols_sum ? ec_str(&e->core, "; column partials over %lld blocks of %lld rows", (long long)p->nb,
+                               (long long)p->bl)
+                      : "");
+  p->sw = p->pdw >= 0 ? cu_raw_ptr(e, p->pdw, p->at, "dw partials") : NULL;
+  p->sb = p->pdb >= 0 ? cu_raw_ptr(e, p->pdb, p->at, "db partials") : NULL;
+  for (int i = 0; i < p->nsum; i++)
+    p->ss[i] = cu_raw_ptr(e, p->psum[i], p->at, "column sum partials");
+  cu_rows_open(e, &p->rs, p->cols_sum ? "k" : "r");
+  if (p->cols_sum) {
+    if (p->sw)
+      ec_line(&e->core, "%s sw[%d] = {0};", p->at, p->rs.npl);
+    if (p->sb)
+      ec_line(&e->core, "%s sb[%d] = {0};", p->at, p->rs.npl);
+    for (int i = 0; i < p->nsum; i++)
+      ec_line(&e->core, "%s sa%d[%d] = {0};", p->at, i, p->rs.npl);
+    ec_line(&e->core, "const %s end = k * %lld + %lld < %lld ? k * %lld + %lld : %lld;", p->ixt, (long long)p->bl,
+            (long long)p->bl, (long long)p->rows, (long long)p->bl, (long long)p->bl, (long long)p->rows);
+    if (p->st.n) {
       ec_line(&e->core, "// Rows by cp.async, two buffers: x, dy%s.",
-              st.n > 2 ? ", then what the chain after dx reads" : "");
-      ec_line(&e->core, "__shared__ __align__(16) float st[2][%d][%lld];", st.n, (long long)cols);
-      e->shared += (int)(2 * st.n * cols * 4);
-      norm_stage_row(e, &st, &rs, cols, "0", ec_str(&e->core, "k * %lld", (long long)bl));
+              p->st.n > 2 ? ", then what the chain after dx reads" : "");
+      ec_line(&e->core, "__shared__ __align__(16) float st[2][%d][%lld];", p->st.n, (long long)p->cols);
+      e->shared += (int)(2 * p->st.n * p->cols * 4);
+      norm_stage_row(e, &p->st, &p->rs, p->cols, "0", ec_str(&e->core, "k * %lld", (long long)p->bl));
     }
-    ec_enter(&e->core, "for (%s r = k * %lld; r < end; r++)", ixt, (long long)bl);
+    ec_enter(&e->core, "for (%s r = k * %lld; r < end; r++)", p->ixt, (long long)p->bl);
   }
-  if (st.n) {
-    ec_line(&e->core, "const int cur = (int)(r - k * %lld) & 1;", (long long)bl);
+  if (p->st.n) {
+    ec_line(&e->core, "const int cur = (int)(r - k * %lld) & 1;", (long long)p->bl);
     ec_line(&e->core, "__syncthreads(); // (every thread is done with the other buffer: the row before)");
     ec_enter(&e->core, "if (r + 1 < end)");
-    norm_stage_row(e, &st, &rs, cols, "cur ^ 1", "(r + 1)");
+    norm_stage_row(e, &p->st, &p->rs, p->cols, "cur ^ 1", "(r + 1)");
     cu_orelse(e);
     ec_line(&e->core, "mdl_cp_async_commit(); // (an empty group: the wait below is the same)");
     ec_leave(&e->core);
@@ -590,161 +542,191 @@ void cu_emit_norm_bwd(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "__syncthreads();");
     ec_line(&e->core, "const float *const xs = st[cur][0], *const dys = st[cur][1]; // (this row's)");
   } else {
-    if (dx >= 0 || dw >= 0) // (db alone reads dy only)
-      row_load(e, &rs, x, "xv", cols);
-    row_load(e, &rs, dy, "dyv", cols);
+    if (p->dx >= 0 || p->dw >= 0) // (db alone reads dy only)
+      row_load(e, &p->rs, p->x, "xv", p->cols);
+    row_load(e, &p->rs, p->dy, "dyv", p->cols);
   }
-  const char *wp = w >= 0 ? cu_ptr(e, w) : NULL;
+  p->wp = p->w >= 0 ? cu_ptr(e, p->w) : NULL;
+}
+
+// The row's statistics (and, without dx, dw's terms).
+static void norm_bwd_stats(Emit *e, const NormBwd *p) {
   // Layernorm: the mean, then one block reduction for the variance, mg and mgx together; rmsnorm:
   // one for its sum of squares and mgx. The sums that need the row's scale are taken without it and
   // scaled after (mgx = rstd sum g (x - mean)).
-  bool pair = rs.tpr > 32 && rs.tpr <= 512; // (block sums of up to 16 warps' sums at once)
-  if (dx < 0 && dw < 0) { // db alone needs no statistics
-    if (sb) {
-      row_each(e, &rs, cols);
-      ec_line(&e->core, "sb[t] += %s;", dyv);
+  bool pair = p->rs.tpr > 32 && p->rs.tpr <= 512; // (block sums of up to 16 warps' sums at once)
+  if (p->dx < 0 && p->dw < 0) { // db alone needs no statistics
+    if (p->sb) {
+      row_each(e, &p->rs, p->cols);
+      ec_line(&e->core, "sb[t] += %s;", p->dyv);
       row_each_end(e);
     }
-  } else if (ln) {
+  } else if (p->ln) {
     ec_line(&e->core, "double s = 0;");
     ec_line(&e->core, "#pragma unroll");
-    ec_line(&e->core, "for (int t = 0; t < %d; t++)", rs.npl);
-    if (st.n && cols % rs.tpr)
-      ec_line(&e->core, "  s += tr + t * %d < %lld ? xs[tr + t * %d] : 0.0f;", rs.tpr, (long long)cols, rs.tpr);
-    else if (st.n)
-      ec_line(&e->core, "  s += xs[tr + t * %d];", rs.tpr);
+    ec_line(&e->core, "for (int t = 0; t < %d; t++)", p->rs.npl);
+    if (p->st.n && p->cols % p->rs.tpr)
+      ec_line(&e->core, "  s += tr + t * %d < %lld ? xs[tr + t * %d] : 0.0f;", p->rs.tpr, (long long)p->cols,
+              p->rs.tpr);
+    else if (p->st.n)
+      ec_line(&e->core, "  s += xs[tr + t * %d];", p->rs.tpr);
     else
       ec_line(&e->core, "  s += xv[t];");
-    ec_line(&e->core, "const double mean = %s / %lld;", cu_rsum(e, &rs, "s"), (long long)cols);
-    ec_line(&e->core, "double var = 0%s;", dx >= 0 ? ", mg = 0, mgx = 0" : "");
-    row_each(e, &rs, cols);
-    ec_line(&e->core, "const double xm = %s - mean;", xv);
+    ec_line(&e->core, "const double mean = %s / %lld;", cu_rsum(e, &p->rs, "s"), (long long)p->cols);
+    ec_line(&e->core, "double var = 0%s;", p->dx >= 0 ? ", mg = 0, mgx = 0" : "");
+    row_each(e, &p->rs, p->cols);
+    ec_line(&e->core, "const double xm = %s - mean;", p->xv);
     ec_line(&e->core, "var += xm * xm;");
-    if (dx >= 0) {
-      ec_line(&e->core, "const double g = (double)%s * %s[j];", dyv, wp);
+    if (p->dx >= 0) {
+      ec_line(&e->core, "const double g = (double)%s * %s[j];", p->dyv, p->wp);
       ec_line(&e->core, "mg += g;");
       ec_line(&e->core, "mgx += g * xm;");
     }
-    if (sb)
-      ec_line(&e->core, "sb[t] += %s;", dyv);
+    if (p->sb)
+      ec_line(&e->core, "sb[t] += %s;", p->dyv);
     row_each_end(e);
-    if (dx >= 0 && pair)
+    if (p->dx >= 0 && pair)
       ec_line(&e->core, "mdl_block_sum3(var, mg, mgx, %s);", cu_sh_double(e));
-    else if (dx >= 0)
-      ec_line(&e->core, "var = %s, mg = %s, mgx = %s;", cu_rsum(e, &rs, "var"), cu_rsum(e, &rs, "mg"),
-              cu_rsum(e, &rs, "mgx"));
+    else if (p->dx >= 0)
+      ec_line(&e->core, "var = %s, mg = %s, mgx = %s;", cu_rsum(e, &p->rs, "var"), cu_rsum(e, &p->rs, "mg"),
+              cu_rsum(e, &p->rs, "mgx"));
     else
-      ec_line(&e->core, "var = %s;", cu_rsum(e, &rs, "var"));
-    ec_line(&e->core, "const double rstd = 1.0 / sqrt(var / %lld + %s);", (long long)cols,
-            ec_dlit(&e->core, nd->fa[0]));
-    if (dx >= 0) {
-      ec_line(&e->core, "mg /= %lld;", (long long)cols);
-      ec_line(&e->core, "mgx *= rstd / %lld; // the mean of g xhat", (long long)cols);
+      ec_line(&e->core, "var = %s;", cu_rsum(e, &p->rs, "var"));
+    ec_line(&e->core, "const double rstd = 1.0 / sqrt(var / %lld + %s);", (long long)p->cols,
+            ec_dlit(&e->core, p->nd->fa[0]));
+    if (p->dx >= 0) {
+      ec_line(&e->core, "mg /= %lld;", (long long)p->cols);
+      ec_line(&e->core, "mgx *= rstd / %lld; // the mean of g xhat", (long long)p->cols);
     }
-    if (sw && dx < 0) {
-      row_each(e, &rs, cols);
-      ec_line(&e->core, "sw[t] += (%s)(%s * ((%s - mean) * rstd));", at, dyv, xv);
+    if (p->sw && p->dx < 0) {
+      row_each(e, &p->rs, p->cols);
+      ec_line(&e->core, "sw[t] += (%s)(%s * ((%s - mean) * rstd));", p->at, p->dyv, p->xv);
       row_each_end(e);
     }
   } else {
-    ec_line(&e->core, "double s = 0%s;", dx >= 0 ? ", mgx = 0" : "");
-    row_each(e, &rs, cols);
-    ec_line(&e->core, "s += (double)%s * %s;", xv, xv);
-    if (dx >= 0)
-      ec_line(&e->core, "mgx += (double)%s * %s[j] * %s;", dyv, wp, xv);
+    ec_line(&e->core, "double s = 0%s;", p->dx >= 0 ? ", mgx = 0" : "");
+    row_each(e, &p->rs, p->cols);
+    ec_line(&e->core, "s += (double)%s * %s;", p->xv, p->xv);
+    if (p->dx >= 0)
+      ec_line(&e->core, "mgx += (double)%s * %s[j] * %s;", p->dyv, p->wp, p->xv);
     row_each_end(e);
-    if (dx >= 0 && pair)
+    if (p->dx >= 0 && pair)
       ec_line(&e->core, "mdl_block_sum2(s, mgx, %s);", cu_sh_double(e));
-    else if (dx >= 0)
-      ec_line(&e->core, "s = %s, mgx = %s;", cu_rsum(e, &rs, "s"), cu_rsum(e, &rs, "mgx"));
+    else if (p->dx >= 0)
+      ec_line(&e->core, "s = %s, mgx = %s;", cu_rsum(e, &p->rs, "s"), cu_rsum(e, &p->rs, "mgx"));
     else
-      ec_line(&e->core, "s = %s;", cu_rsum(e, &rs, "s"));
-    ec_line(&e->core, "const double sc = 1.0 / sqrt(s / %lld + %s);", (long long)cols, ec_dlit(&e->core, nd->fa[0]));
-    if (dx >= 0)
-      ec_line(&e->core, "mgx /= %lld;", (long long)cols);
-    if (sw && dx < 0) {
-      row_each(e, &rs, cols);
-      ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", at, dyv, xv);
+      ec_line(&e->core, "s = %s;", cu_rsum(e, &p->rs, "s"));
+    ec_line(&e->core, "const double sc = 1.0 / sqrt(s / %lld + %s);", (long long)p->cols,
+            ec_dlit(&e->core, p->nd->fa[0]));
+    if (p->dx >= 0)
+      ec_line(&e->core, "mgx /= %lld;", (long long)p->cols);
+    if (p->sw && p->dx < 0) {
+      row_each(e, &p->rs, p->cols);
+      ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", p->at, p->dyv, p->xv);
       row_each_end(e);
     }
   }
-  if (dx >= 0) {
-    row_each(e, &rs, cols);
-    for (int k = 2; k < st.n; k++) // (the chain reads these from their rows in shared memory)
-      ec_memo_put(&e->core, st.node[k], "ix", ec_str(&e->core, "st[cur][%d][j]", k));
-    if (ln) {
-      ec_line(&e->core, "const double xhat = (%s - mean) * rstd;", xv);
-      if (sw)
-        ec_line(&e->core, "sw[t] += (%s)(%s * xhat);", at, dyv);
-      ec_line(&e->core, "const float d = (float)(rstd * ((double)%s * %s[j] - mg - xhat * mgx));", dyv, wp);
+}
+
+// dx by row (with the outputs computed after it, and the column sums' terms), then the partials stored,
+// and the first kernel closed.
+static void norm_bwd_dx(Emit *e, const NormBwd *p) {
+  if (p->dx >= 0) {
+    row_each(e, &p->rs, p->cols);
+    for (int k = 2; k < p->st.n; k++) // (the chain reads these from their rows in shared memory)
+      ec_memo_put(&e->core, p->st.node[k], "ix", ec_str(&e->core, "st[cur][%d][j]", k));
+    if (p->ln) {
+      ec_line(&e->core, "const double xhat = (%s - mean) * rstd;", p->xv);
+      if (p->sw)
+        ec_line(&e->core, "sw[t] += (%s)(%s * xhat);", p->at, p->dyv);
+      ec_line(&e->core, "const float d = (float)(rstd * ((double)%s * %s[j] - mg - xhat * mgx));", p->dyv, p->wp);
     } else {
-      if (sw)
-        ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", at, dyv, xv);
-      ec_line(&e->core, "const float d = (float)(sc * %s * %s[j] - sc * sc * sc * %s * mgx);", dyv, wp, xv);
+      if (p->sw)
+        ec_line(&e->core, "sw[t] += (%s)((double)%s * %s * sc);", p->at, p->dyv, p->xv);
+      ec_line(&e->core, "const float d = (float)(sc * %s * %s[j] - sc * sc * sc * %s * mgx);", p->dyv, p->wp, p->xv);
     }
-    if (dxbuf)
-      ec_line(&e->core, "%s[ix] = d;", cu_ptr(e, dx));
-    cu_post_inloop(e, dx, q, nq, "ix", ec_numel(&e->core, dx), "d");
-    for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "sa%d[t] += %s;", i, cu_val(e, ec_node(&e->core, sums[i])->in[0], "ix"));
+    if (p->dxbuf)
+      ec_line(&e->core, "%s[ix] = d;", cu_ptr(e, p->dx));
+    ew_post_inloop(&e->core, p->dx, p->q, p->nq, "ix", ec_numel(&e->core, p->dx), "d");
+    for (int i = 0; i < p->nsum; i++)
+      ec_line(&e->core, "sa%d[t] += %s;", i, ew_val(&e->core, ec_node(&e->core, p->sums[i])->in[0], "ix"));
     row_each_end(e);
   }
-  if (cols_sum) {
+  if (p->cols_sum) {
     ec_leave(&e->core);
     ec_line(&e->core, "#pragma unroll");
-    ec_enter(&e->core, "for (int t = 0; t < %d; t++)", rs.npl);
-    ec_line(&e->core, "const %s j = tr + t * %d;", ixt, rs.tpr);
-    ec_enter(&e->core, "if (j < %lld)", (long long)cols);
-    if (sw)
-      ec_line(&e->core, "%s[k * %lld + j] = sw[t];", sw, (long long)cols);
-    if (sb)
-      ec_line(&e->core, "%s[k * %lld + j] = sb[t];", sb, (long long)cols);
-    for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "%s[k * %lld + j] = sa%d[t];", ss[i], (long long)cols, i);
+    ec_enter(&e->core, "for (int t = 0; t < %d; t++)", p->rs.npl);
+    ec_line(&e->core, "const %s j = tr + t * %d;", p->ixt, p->rs.tpr);
+    ec_enter(&e->core, "if (j < %lld)", (long long)p->cols);
+    if (p->sw)
+      ec_line(&e->core, "%s[k * %lld + j] = sw[t];", p->sw, (long long)p->cols);
+    if (p->sb)
+      ec_line(&e->core, "%s[k * %lld + j] = sb[t];", p->sb, (long long)p->cols);
+    for (int i = 0; i < p->nsum; i++)
+      ec_line(&e->core, "%s[k * %lld + j] = sa%d[t];", p->ss[i], (long long)p->cols, i);
     ec_leave(&e->core);
     ec_leave(&e->core);
   }
   ec_leave(&e->core);
-  cu_kend(e, rs.grid, rs.block);
-  e->loop_ix = NULL;
-  if (cols_sum) {
-    cu_kbegin(e, "colsum");
-    cu_note(e, "%s: column sums of %lld blocks of rows, a block per %d columns in %d groups of rows", op_name(nd->op),
-            (long long)nb, colsum_width(nb, cols), colsum_block(nb) / colsum_width(nb, cols));
-    const char *parts[2 + EC_MAX_COLSUMS], *accs[2 + EC_MAX_COLSUMS];
-    int np = 0;
-    if (pdw >= 0)
-      parts[np] = cu_raw_ptr(e, pdw, at, "dw partials"), accs[np++] = "w";
-    if (pdb >= 0)
-      parts[np] = cu_raw_ptr(e, pdb, at, "db partials"), accs[np++] = "b";
-    for (int i = 0; i < nsum; i++) {
-      parts[np] = cu_raw_ptr(e, psum[i], at, "column sum partials");
-      accs[np++] = ec_str(&e->core, "a%d", i);
-    }
-    colsum_open(e, nb, cols, parts, accs, np, false);
-    if (dw >= 0)
-      ec_line(&e->core, "%s[r] = (float)w;", cu_ptr(e, dw));
-    if (db >= 0)
-      ec_line(&e->core, "%s[r] = (float)b;", cu_ptr(e, db));
-    for (int i = 0; i < nsum; i++)
-      ec_line(&e->core, "%s[r] = (float)a%d;", cu_ptr(e, sums[i]), i);
-    ec_leave(&e->core);
-    cu_kend(e, colsum_grid(nb, cols), colsum_block(nb));
+  cu_kend(e, p->rs.grid, p->rs.block);
+  e->core.loop_ix = NULL;
+}
+
+// The second kernel, where there are column sums: the partials added in a fixed order (colsum_open).
+static void norm_bwd_colsum(Emit *e, const NormBwd *p) {
+  cu_kbegin(e, "colsum");
+  cu_note(e, "%s: column sums of %lld blocks of rows, a block per %d columns in %d groups of rows",
+          op_name(p->nd->op), (long long)p->nb, colsum_width(p->nb, p->cols),
+          colsum_block(p->nb) / colsum_width(p->nb, p->cols));
+  const char *parts[2 + EC_MAX_COLSUMS], *accs[2 + EC_MAX_COLSUMS];
+  int np = 0;
+  if (p->pdw >= 0)
+    parts[np] = cu_raw_ptr(e, p->pdw, p->at, "dw partials"), accs[np++] = "w";
+  if (p->pdb >= 0)
+    parts[np] = cu_raw_ptr(e, p->pdb, p->at, "db partials"), accs[np++] = "b";
+  for (int i = 0; i < p->nsum; i++) {
+    parts[np] = cu_raw_ptr(e, p->psum[i], p->at, "column sum partials");
+    accs[np++] = ec_str(&e->core, "a%d", i);
   }
-  if (dxbuf)
-    ec_phase_done(&e->core, dx);
-  if (dw >= 0)
-    ec_phase_done(&e->core, dw);
-  if (db >= 0)
-    ec_phase_done(&e->core, db);
-  for (int i = 0; i < nsum; i++)
-    ec_phase_done(&e->core, sums[i]);
+  colsum_open(e, p->nb, p->cols, parts, accs, np, false);
+  if (p->dw >= 0)
+    ec_line(&e->core, "%s[r] = (float)w;", cu_ptr(e, p->dw));
+  if (p->db >= 0)
+    ec_line(&e->core, "%s[r] = (float)b;", cu_ptr(e, p->db));
+  for (int i = 0; i < p->nsum; i++)
+    ec_line(&e->core, "%s[r] = (float)a%d;", cu_ptr(e, p->sums[i]), i);
+  ec_leave(&e->core);
+  cu_kend(e, colsum_grid(p->nb, p->cols), colsum_block(p->nb));
+}
+
+// LAYERNORM_BWD / RMSNORM_BWD siblings: dx per row; dw (and db) as column sums: each row group
+// adds a fixed block of rows into per-column partials, then the column sums add the blocks in a fixed
+// order (colsum_open).
+void cu_emit_norm_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
+  NormBwd p = {0};
+  norm_bwd_plan(e, gi, &p);
+  ec_phase_begin(&e->core);
+  norm_bwd_open(e, &p);
+  norm_bwd_stats(e, &p);
+  norm_bwd_dx(e, &p);
+  if (p.cols_sum)
+    norm_bwd_colsum(e, &p);
+  if (p.dxbuf)
+    ec_phase_done(&e->core, p.dx);
+  if (p.dw >= 0)
+    ec_phase_done(&e->core, p.dw);
+  if (p.db >= 0)
+    ec_phase_done(&e->core, p.db);
+  for (int i = 0; i < p.nsum; i++)
+    ec_phase_done(&e->core, p.sums[i]);
   ec_phase_end(&e->core);
-  free(q);
+  free(p.q);
 }
 
 // SOFTMAX (x) or SOFTMAX_BWD (y, dy) over the last axis, a warp (or block) per row.
-void cu_emit_softmax(Emit *e, int gi, const bool *emitted) {
+void cu_emit_softmax(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   bool bwd = nd->op == OP_SOFTMAX_BWD;
@@ -752,10 +734,10 @@ void cu_emit_softmax(Emit *e, int gi, const bool *emitted) {
   row_inline(e, nd->in[0]);
   if (bwd)
     row_inline(e, nd->in[1]);
-  cu_flush(e);
+  ew_flush(&e->core);
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
-  bool buf = cu_whole(e, a);
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), e->core.emitted, q);
+  bool buf = ew_whole(&e->core, a);
   RowShape rs = cu_row_shape(e, cols, rows, 32);
   ec_phase_begin(&e->core);
   cu_kbegin(e, "");
@@ -790,11 +772,11 @@ void cu_emit_softmax(Emit *e, int gi, const bool *emitted) {
     ec_line(&e->core, "const float y = (float)(xv[t] / sum);");
   if (buf)
     ec_line(&e->core, "%s[ix] = y;", cu_ptr(e, a));
-  cu_post_inloop(e, a, q, nq, "ix", ec_numel(&e->core, a), "y");
+  ew_post_inloop(&e->core, a, q, nq, "ix", ec_numel(&e->core, a), "y");
   row_each_end(e);
   ec_leave(&e->core);
   cu_kend(e, rs.grid, rs.block);
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   if (buf)
     ec_phase_done(&e->core, a);
   ec_phase_end(&e->core);
@@ -803,17 +785,15 @@ void cu_emit_softmax(Emit *e, int gi, const bool *emitted) {
 
 // EMBED: rows of the table by id, four floats at a time when the width allows; a bad id is reported
 // and gives a row of zeros.
-void cu_emit_embed(Emit *e, int gi) {
+void cu_emit_embed(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = ec_node(&e->core, nd->in[0])->shape.d[0], c = ec_last_dim(&e->core, a), rows = ec_numel(&e->core, a) / c;
   int tab = ec_need(&e->core, nd->in[0]), ids = ec_need(&e->core, nd->in[1]);
-  cu_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
+  ew_anchor_open(&e->core, a);
   int w = c % 4 == 0 ? 4 : 1;
   int64_t cw = c / w, work = rows * cw;
-  ec_phase_begin(&e->core);
   cu_kbegin(e, "");
   cu_note(e, "embed: %lld rows of %lld from a table of %lld, %d per thread", (long long)rows, (long long)c,
           (long long)v, w);
@@ -886,7 +866,7 @@ static void embed_store_groups(Emit *e, int a, const int *q, int nq, const char 
       ec_grow(&e->held, e->nheld, &e->capheld, sizeof *e->held);
       e->held[e->nheld++] = ec_str(&e->core, "%s[%s] = %s;", tp, ix, y);
     }
-    cu_post_inloop(e, a, q, nq, ix, ec_numel(&e->core, a), y);
+    ew_post_inloop(&e->core, a, q, nq, ix, ec_numel(&e->core, a), y);
     held_at[u + 1] = e->nheld;
   }
   e->defer = false;
@@ -904,17 +884,18 @@ static void embed_store_groups(Emit *e, int a, const int *q, int nq, const char 
   ec_leave(&e->core);
 }
 
-void cu_emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
+void cu_emit_embed_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t v = nd->shape.d[0], c = nd->shape.d[1], rows = ec_numel(&e->core, nd->in[0]);
   int ids = ec_need(&e->core, nd->in[0]), dy = ec_need(&e->core, nd->in[1]);
-  cu_flush(e);
+  ew_flush(&e->core);
   // The chain after it (a tied table's other gradient added, rule 7 of fuse.c) is computed as each
   // element of the table is stored; the table itself is stored only when something else reads it.
   int *q = ec_xcalloc((size_t)e->core.g->n, sizeof *q);
-  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), emitted, q);
-  bool buf = cu_whole(e, a) || nq == 0;
+  int nq = ec_post_set(&e->core, gi, ec_numel(&e->core, a), e->core.emitted, q);
+  bool buf = ew_whole(&e->core, a) || nq == 0;
   if (buf && ec_offset(&e->core, a) < 0)
     e->core.scratch[a] = true;
   int vr = EMBED_ROWS, ch = EMBED_CHUNK;
@@ -1060,7 +1041,7 @@ void cu_emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
     embed_store_groups(e, a, q, nq, tp);
   }
   ec_leave(&e->core);
-  e->loop_ix = NULL;
+  e->core.loop_ix = NULL;
   cu_kend(e, nvb * ncb, cb);
   if (buf)
     ec_phase_done(&e->core, a);
@@ -1069,17 +1050,15 @@ void cu_emit_embed_bwd(Emit *e, int gi, const bool *emitted) {
 }
 
 // ROPE: a thread per (row, head, pair); the angle in double, as the interpreter takes it.
-void cu_emit_rope(Emit *e, int gi) {
+void cu_emit_rope(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = nd->shape;
   int64_t rows = s.d[0] * s.d[1], nc = s.d[2], heads = nd->ia[0], d = nc / heads, work = rows * heads * (d / 2);
   Rows x = cu_rows_of(e, nd->in[0]);
   int pos = ec_need(&e->core, nd->in[1]);
-  cu_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "rope%s: %lld rows, %lld heads of %lld, a thread per pair", nd->ia[1] ? " (inverse)" : "", (long long)rows,
           (long long)heads, (long long)d);
@@ -1104,16 +1083,14 @@ void cu_emit_rope(Emit *e, int gi) {
 
 // ATTENTION_MASK ([doc]) -> [B or 1, 1, T, T]: 0 where query i may see key j (j <= i when causal,
 // i - j < window with a window, the same doc id with ids), -inf where not; a thread per element.
-void cu_emit_attn_mask(Emit *e, int gi) {
+void cu_emit_attn_mask(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   int64_t nt = nd->shape.d[3], work = ec_numel(&e->core, a);
   bool causal = nd->ia[0];
   int doc = nd->ia[1] ? ec_need(&e->core, nd->in[0]) : -1;
-  cu_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "attention mask: %lld rows of %lld keys%s%s, a thread per element", (long long)(work / nt), (long long)nt,
           causal ? ", causal" : "", doc >= 0 ? ", within documents" : "");
@@ -1136,17 +1113,15 @@ void cu_emit_attn_mask(Emit *e, int gi) {
 }
 
 // MAX_BWD (x, y, dy): the gradient goes to the maxima, shared evenly between ties; a thread per output.
-void cu_emit_max_bwd(Emit *e, int gi) {
+void cu_emit_max_bwd(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = nd->shape;
   int ax = (int)nd->ia[0];
   int64_t outer = ec_span(s, 0, ax), len = s.d[ax], inner = ec_span(s, ax + 1, s.rank), on = outer * inner;
   int x = ec_need(&e->core, nd->in[0]), y = ec_need(&e->core, nd->in[1]), dy = ec_need(&e->core, nd->in[2]);
-  cu_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "max backward: %lld outputs over %lld elements, a thread per output", (long long)on, (long long)len);
   const char *xp = cu_ptr(e, x), *yp = cu_ptr(e, y), *dp = cu_ptr(e, dy), *op = cu_ptr(e, a);
@@ -1170,7 +1145,8 @@ void cu_emit_max_bwd(Emit *e, int gi) {
 
 // TOPK: a thread per line along the axis, the k first positions in TOPK's order found one by one (the
 // next is the first of those after the last one found), as the interpreter does.
-void cu_emit_topk(Emit *e, int gi) {
+void cu_emit_topk(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = ec_node(&e->core, nd->in[0])->shape;
@@ -1179,10 +1155,7 @@ void cu_emit_topk(Emit *e, int gi) {
   int64_t lines = outer * inner;
   int x = ec_need(&e->core, nd->in[0]);
   const char *t = e->core.ixt;
-  cu_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "topk: the %lld largest of %lld lines of %lld, a thread per line", (long long)k, (long long)lines,
           (long long)len);
@@ -1215,7 +1188,8 @@ void cu_emit_topk(Emit *e, int gi) {
 }
 
 // GATHER: a thread per output element; an index outside the axis reads 0.
-void cu_emit_gather(Emit *e, int gi) {
+void cu_emit_gather(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   Shape s = nd->shape;
@@ -1223,10 +1197,7 @@ void cu_emit_gather(Emit *e, int gi) {
   int64_t n = ec_numel(&e->core, a), ylen = s.d[ax], inner = ec_span(s, ax + 1, s.rank);
   int64_t xlen = ec_node(&e->core, nd->in[0])->shape.d[ax];
   int x = ec_need(&e->core, nd->in[0]), idx = ec_need(&e->core, nd->in[1]);
-  cu_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "gather: %lld values along an axis of %lld, a thread per value", (long long)n, (long long)xlen);
   const char *xp = cu_ptr(e, x), *ip = cu_ptr(e, idx), *yp = cu_ptr(e, a);
@@ -1244,7 +1215,8 @@ void cu_emit_gather(Emit *e, int gi) {
 // SCATTER_ADD (base, idx, src) and GATHER_BWD (idx, src) over zeros: a thread per line along the axis,
 // its sources added in order (no atomics: no two threads add into one element, and every sum is in
 // the interpreter's order).
-void cu_emit_scatter(Emit *e, int gi) {
+void cu_emit_scatter(EmitCore *core, int gi) {
+  Emit *e = (Emit *)core;
   int a = e->core.groups[gi].mem[0];
   const IrNode *nd = ec_node(&e->core, a);
   bool has_base = nd->op == OP_SCATTER_ADD;
@@ -1254,10 +1226,7 @@ void cu_emit_scatter(Emit *e, int gi) {
   int base = has_base ? ec_need(&e->core, nd->in[0]) : -1;
   int idx = ec_need(&e->core, nd->in[has_base]), src = ec_need(&e->core, nd->in[has_base + 1]);
   const char *t = e->core.ixt;
-  cu_flush(e);
-  if (ec_offset(&e->core, a) < 0)
-    e->core.scratch[a] = true;
-  ec_phase_begin(&e->core);
+  ew_anchor_open(&e->core, a);
   cu_kbegin(e, "");
   cu_note(e, "scatter-add: %lld lines, %lld sources into %lld places each, a thread per line", (long long)lines,
           (long long)slen, (long long)ylen);

@@ -45,14 +45,6 @@ const GemmLib *rt_gemm(char *err, size_t n);
 void rt_gemm_probe(void);
 
 //
-// emit_c.c: the C emitter.
-//
-// The whole training step of f's graph as C11 + OpenMP source, laid out on m's arena. The text is
-// allocated in f->g's arena; NULL (after a message on stderr) when a step cannot be emitted.
-// source_path only appears in the file's first comment.
-char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path);
-
-//
 // cpu.c: compile, cache, load and run a generated module.
 //
 typedef struct {

@@ -34,6 +34,7 @@
 #include "mdl.h"
 #include "backend.h"
 #include "cuda.h"
+#include "emit_c.h"
 #include "emit_cuda.h"
 #include "runtime.h"
 #include "test.h"

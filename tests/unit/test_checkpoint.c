@@ -35,6 +35,7 @@
 #include "mdl.h"
 #include "backend.h"
 #include "cuda.h"
+#include "emit_c.h"
 #include "emit_cuda.h"
 #include "test.h"
 #include "cuda_emu_host.h"

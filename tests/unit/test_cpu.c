@@ -26,6 +26,7 @@
 // (draw_checks.h).
 #include "mdl.h"
 #include "backend.h"
+#include "emit_c.h"
 #include "test.h"
 #include "draw_checks.h"
 

@@ -22,6 +22,7 @@
 //     engines' within 1e-5 relative), and neither calibrates nor rolls a history.
 #include "mdl.h"
 #include "backend.h"
+#include "emit_c.h"
 #include "cuda.h"
 #include "fp8_state.h"
 #include "runtime.h"

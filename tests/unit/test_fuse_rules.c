@@ -23,6 +23,7 @@
 #include "mdl.h"
 #include "runtime.h"
 #include "backend.h"
+#include "emit_c.h"
 #include "test.h"
 
 #include <dirent.h>

@@ -7,6 +7,7 @@
 // --no-doc-mask (attention ignores the doc ids), perturbing the middle document moves the logits of
 // the document after it, with either lowering (the one before it stays as it was: attention is causal).
 #include "backend.h"
+#include "emit_c.h"
 #include "mdl.h"
 #include "runtime.h"
 #include "test.h"
