@@ -36,9 +36,9 @@
 #include "emit_cuda.h"
 #include "runtime.h"
 #include "test.h"
+#include "harness.h"
 #include "cuda_emu_host.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -572,27 +572,6 @@ static void test_nvrtc(void) {
   }
 }
 
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *de;
-  char path[1200];
-  while (d && (de = readdir(d))) {
-    if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
-      continue;
-    snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
-    DIR *sub = opendir(path);
-    if (sub) {
-      closedir(sub);
-      remove_dir(path);
-    } else {
-      unlink(path);
-    }
-  }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
-
 //
 // 6. Grouped heads are repeated heads.
 //
@@ -706,11 +685,8 @@ static void test_grouped(void) {
 
 int main(void) {
   char dir[] = "/tmp/mdl-plain-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "plain attention: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "plain attention: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   bool emu = system("g++ --version >/dev/null 2>&1") == 0;
   if (!emu)
     printf("[skip] plain attention: cuda emu: no g++\n");

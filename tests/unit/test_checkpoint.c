@@ -36,9 +36,9 @@
 #include "backend.h"
 #include "emit_cuda.h"
 #include "test.h"
+#include "harness.h"
 #include "cuda_emu_host.h"
 
-#include <dirent.h>
 #include <dlfcn.h>
 #include <math.h>
 #include <stdlib.h>
@@ -778,21 +778,6 @@ static void test_auto_order(void) {
   arena_free(a);
 }
 
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *ent;
-  char path[1200];
-  while (d && (ent = readdir(d)))
-    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
-      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
-      if (unlink(path))
-        remove_dir(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
-
 // Check 7: the validation engine's graph (forward only, dropout off, the loss its one output: the
 // models' logits output is sampling's). Its LM head is chunked as the training step's is (rule 2 of
 // fuse.c): the logits never whole in the arena, which at a batch that checkpointing makes possible
@@ -907,11 +892,8 @@ static void test_per_param(const char *dir, const char *model, bool bf16, bool e
 
 int main(void) {
   char dir[] = "/tmp/mdl-ckpt-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "checkpoint: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "checkpoint: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   const Model models[] = {
       {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
       {"models/llama-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},

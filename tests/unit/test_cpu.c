@@ -27,9 +27,9 @@
 #include "mdl.h"
 #include "backend.h"
 #include "test.h"
+#include "harness.h"
 #include "draw_checks.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1035,19 +1035,6 @@ static void test_param_draw(void) {
   arena_free(a);
 }
 
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *ent;
-  char path[1200];
-  while (d && (ent = readdir(d)))
-    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
-      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
-      unlink(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
 // Attention long enough to run on the GEMM library (emit_c.c, attn_by_gemm): query blocks of 64 rows
 // and a last one of 32, causal within documents, then both kinds of non-causal attention.
 static const char attn_gemm[] =
@@ -1143,11 +1130,8 @@ int main(int argc, char **argv) {
     TEST_EXIT();
   }
   char dir[] = "/tmp/mdl-cache-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "cpu: a cache directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "cpu: a cache directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   const Model models[] = {
       {"models/gpt2-tiny.mdl", {{"B", 4}, {"T", 32}}, 2, NULL}, // 128 rows: the LM head in 2 chunks
       {"models/llama-tiny.mdl", {{"B", 4}, {"T", 32}}, 2, NULL},

@@ -55,6 +55,7 @@
 #include "emit_cuda.h"
 #include "runtime.h"
 #include "test.h"
+#include "harness.h"
 #include "cubin_syms.h"
 #include "cuda_emu_host.h"
 
@@ -368,21 +369,6 @@ static double now(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *ent;
-  char path[1200];
-  while (d && (ent = readdir(d)))
-    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
-      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
-      if (unlink(path))
-        remove_dir(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
 }
 
 //
@@ -2064,11 +2050,8 @@ static void test_optimizers(const char *dir, bool nvrtc) {
 
 int main(void) {
   char dir[] = "/tmp/mdl-cuda-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "cuda: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "cuda: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   test_sha256();
   test_plans();
   test_attention_kernels();

@@ -18,6 +18,7 @@
 #include "emit_cuda.h"
 #include "cuda.h"
 #include "test.h"
+#include "harness.h"
 
 #include <dlfcn.h>
 #include <float.h>
@@ -597,11 +598,8 @@ static void test_gpu(const char *src) {
 
 int main(void) {
   char dir[] = "/tmp/mdl-fp8-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "fp8: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "fp8: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   // The host's conversions need no compiler: their definitions and hand-computed values always.
   label = "fp8 host";
   test_hand(host_encode);

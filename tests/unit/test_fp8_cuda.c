@@ -14,6 +14,7 @@
 #include "backend.h"
 #include "emit_cuda.h"
 #include "test.h"
+#include "harness.h"
 #include "cuda_emu_host.h"
 
 #include <math.h>
@@ -92,11 +93,8 @@ static double l2(const float *a, const double *b, int64_t n) {
 
 int main(void) {
   char dir[] = "/tmp/mdl-fp8cuda-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "fp8 cuda: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "fp8 cuda: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   Arena *a = arena_new();
   DimOverride ov[] = {{"B", 2}, {"T", 16}};
   Graph *g = mdl_compile_file(a, "models/gpt2-tiny.mdl", ov, 2);

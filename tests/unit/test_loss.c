@@ -22,9 +22,9 @@
 #include "backend.h"
 #include "emit_cuda.h"
 #include "test.h"
+#include "harness.h"
 #include "cuda_emu_host.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -331,28 +331,10 @@ static void compiled_case(const char *label, const Batch *b, const char *dir, bo
   }
 }
 
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *ent;
-  char path[1200];
-  while (d && (ent = readdir(d)))
-    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
-      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
-      if (unlink(path))
-        remove_dir(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
-
 int main(void) {
   char dir[] = "/tmp/mdl-loss-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "loss: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "loss: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   const char *emu = dir;
   if (system("g++ --version >/dev/null 2>&1") != 0) {
     printf("[skip] loss CUDA (emulated): no g++\n");
