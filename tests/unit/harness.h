@@ -1,6 +1,6 @@
-// harness.h: what the unit tests share: a scratch cache folder made and removed, ... (static inline,
-// so that each test stays one translation unit and one that uses only some of them compiles without
-// warnings).
+// harness.h: what the unit tests share: a model compiled into its training graph, a scratch cache
+// folder made and removed, ... (static inline, so that each test stays one translation unit and one
+// that uses only some of them compiles without warnings).
 #ifndef MDL_HARNESS_H
 #define MDL_HARNESS_H
 #include <dirent.h>
@@ -12,6 +12,29 @@
 
 #include "mdl.h"
 #include "test.h"
+
+// A model the tests compile: a file, or the text of one (path then only names it), with up to three
+// of its dimensions overridden.
+typedef struct {
+  const char *path;
+  DimOverride ov[3];
+  int nov;
+  const char *text; // the model's source when it is not a file
+} Model;
+
+// md's graph as the front end builds it; NULL when it fails (the front end said why on stderr).
+static inline Graph *compile_model(Arena *a, const Model *md) {
+  return md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
+                  : mdl_compile_file(a, md->path, md->ov, md->nov);
+}
+
+// md's training graph (backward pass and optimizer), its GEMM operands in prec (DT_F32: as written);
+// NULL when the front end, autodiff or the precision pass fails, and why says which.
+static inline Graph *training_graph(Arena *a, const Model *md, DType prec, char *why, size_t n) {
+  Graph *g = compile_model(a, md);
+  snprintf(why, n, "front end or autodiff failed");
+  return g && autodiff(g, true) && precision_assign(g, prec, why, n) ? g : NULL;
+}
 
 // Makes the folder dir (a mkdtemp template) and points MDL_CACHE at it, so that the modules a test
 // builds stay out of the user's cache; false after a failed check named name.

@@ -45,13 +45,6 @@
 #include <string.h>
 #include <unistd.h>
 
-typedef struct {
-  const char *path;
-  DimOverride ov[2];
-  int nov;
-  const char *text; // the model's source when it is not a file
-} Model;
-
 // A gpt2-like model whose layers drop out the attention's projection and the MLP's hidden values;
 // the latter is a saved value (the input of the down projection's weight gradient) inside the body,
 // so all recomputes its dropout in the backward.
@@ -133,15 +126,6 @@ static void forward_free(Forward *fw) {
   free(fw->ops);
 }
 
-// md's training graph, its GEMM operands in bf16 with bf16; NULL when the front end, autodiff or the
-// precision pass fails.
-static Graph *training_graph(Arena *a, const Model *md, bool bf16, char *why, size_t n) {
-  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
-                      : mdl_compile_file(a, md->path, md->ov, md->nov);
-  snprintf(why, n, "front end or autodiff failed");
-  return g && autodiff(g, true) && (!bf16 || precision_assign(g, DT_BF16, why, n)) ? g : NULL;
-}
-
 static bool place(Graph *g, const char *policy, int64_t budget, char *why, size_t n) {
   return checkpoint_place(g, policy, budget, budget ? "the test's budget" : NULL, false, FO, true, NULL, why, n);
 }
@@ -151,7 +135,7 @@ static bool place(Graph *g, const char *policy, int64_t budget, char *why, size_
 static Graph *placed(Arena *a, const Model *md, bool bf16, const char *policy, int64_t budget, const char *label,
                      bool *forward_kept, char *differs, size_t dn) {
   char why[600], name[300];
-  Graph *g = training_graph(a, md, bf16, why, sizeof why);
+  Graph *g = training_graph(a, md, bf16 ? DT_BF16 : DT_F32, why, sizeof why);
   Forward fw = {0};
   bool ok = g != NULL;
   if (ok) {
@@ -586,7 +570,8 @@ static void test_budgets(bool bf16) {
   const Model md = {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL};
   const char *prec = bf16 ? "bf16" : "fp32";
   char name[400], why[600], seen[2000] = "";
-  Graph *none = training_graph(a, &md, bf16, why, sizeof why), *all = training_graph(a, &md, bf16, why, sizeof why);
+  DType gemm = bf16 ? DT_BF16 : DT_F32;
+  Graph *none = training_graph(a, &md, gemm, why, sizeof why), *all = training_graph(a, &md, gemm, why, sizeof why);
   bool ok = none && all && place(none, "none", 0, why, sizeof why) && place(all, "all", 0, why, sizeof why);
   snprintf(name, sizeof name, "checkpoint budgets gpt2-tiny %s: none and all place", prec);
   if (!ok) {
@@ -599,7 +584,7 @@ static void test_budgets(bool bf16) {
   int len = 0;
   for (int k = 0; k <= 8; k++) {
     int64_t budget = hi - k * (hi - lo) / 8;
-    Graph *g = training_graph(a, &md, bf16, why, sizeof why);
+    Graph *g = training_graph(a, &md, bf16 ? DT_BF16 : DT_F32, why, sizeof why);
     bool placed_ok = g && place(g, "auto", budget, why, sizeof why);
     int64_t peak = placed_ok ? g->ckpt.peak : -1;
     within &= placed_ok && peak <= budget;
@@ -617,7 +602,7 @@ static void test_budgets(bool bf16) {
            prec);
   CHECK(shrinks, name, "%s", seen);
 
-  Graph *g = training_graph(a, &md, bf16, why, sizeof why);
+  Graph *g = training_graph(a, &md, bf16 ? DT_BF16 : DT_F32, why, sizeof why);
   bool met = g && place(g, "auto", lo - 1, why, sizeof why);
   snprintf(name, sizeof name, "checkpoint budgets gpt2-tiny %s: a budget 1 byte under all's peak (%.3f MB) fails, "
            "reports all's peak and none's, and names the parameters", prec, mb(lo));
@@ -707,7 +692,8 @@ static void test_auto_order(void) {
   Arena *a = arena_new();
   const Model md = {"order.mdl", {{NULL, 0}}, 0, order_model};
   char name[600], why[600], seen[3000] = "";
-  Graph *none = training_graph(a, &md, false, why, sizeof why), *all = training_graph(a, &md, false, why, sizeof why);
+  Graph *none = training_graph(a, &md, DT_F32, why, sizeof why);
+  Graph *all = training_graph(a, &md, DT_F32, why, sizeof why);
   bool *cand = all ? calloc((size_t)all->fwd_end + 1, sizeof(bool)) : NULL;
   bool ok = none && cand && place(none, "none", 0, why, sizeof why) && place_listed(all, "all", 0, cand, why, sizeof why);
   int ids[64], nc = 0, foreign = 0;
@@ -729,7 +715,7 @@ static void test_auto_order(void) {
   int reversed_differs = 0, len = 0;
   for (int j = 0; j <= 24; j++) {
     int64_t budget = hi - j * (hi - lo) / 24;
-    Graph *g = training_graph(a, &md, false, why, sizeof why);
+    Graph *g = training_graph(a, &md, DT_F32, why, sizeof why);
     bool *rec = g ? calloc((size_t)g->fwd_end + 1, sizeof(bool)) : NULL;
     if (!rec || !place_listed(g, "auto", budget, rec, why, sizeof why)) {
       placed_all = false;

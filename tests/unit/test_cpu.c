@@ -39,13 +39,6 @@ enum { STEPS = 10 };
 static const double LR = 2e-3;
 static bool matrix; // `test_cpu matrix` (test_matrix): the warnings check is the whole run's
 
-typedef struct {
-  const char *path;
-  DimOverride ov[2];
-  int nov;
-  const char *text; // the model's source when it is not a file
-} Model;
-
 // Every op family the models above leave out, forward and backward: the transcendental unary ops,
 // division, reductions over inner and outer axes with and without keepdim (one long enough for
 // blocked partial sums), max, softmax, permute and transpose, batched matmuls (one broadcasting its
@@ -410,8 +403,7 @@ static bool compiles_clean(const char *src, char *why, size_t n) {
 
 static void test_model(const Model *md) {
   Arena *a = arena_new();
-  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
-                      : mdl_compile_file(a, md->path, md->ov, md->nov);
+  Graph *g = compile_model(a, md);
   char name[160];
   snprintf(name, sizeof name, "cpu %s: compiles", md->path);
   CHECK(g && autodiff(g, true), name, "front end or autodiff failed");
@@ -530,11 +522,10 @@ static void test_model(const Model *md) {
 }
 
 // A training graph of md (NULL after a failed check): with GEMM operands in bf16 when bf16 is set.
-static Graph *training_graph(Arena *a, const Model *md, bool bf16) {
-  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
-                      : mdl_compile_file(a, md->path, md->ov, md->nov);
-  char why[256] = "front end or autodiff failed", name[200];
-  bool ok = g && autodiff(g, true) && (!bf16 || precision_assign(g, DT_BF16, why, sizeof why));
+static Graph *checked_training_graph(Arena *a, const Model *md, bool bf16) {
+  char why[256], name[200];
+  Graph *g = training_graph(a, md, bf16 ? DT_BF16 : DT_F32, why, sizeof why);
+  bool ok = g != NULL;
   snprintf(name, sizeof name, "cpu bf16 %s: the %s training graph builds", md->path, bf16 ? "bf16" : "fp32");
   CHECK(ok, name, "%s", why);
   return ok ? g : NULL;
@@ -704,7 +695,7 @@ static void second_step(const Model *md, const Graph *g, const Fusion *f, const 
 
 static void test_bf16(const Model *md) {
   Arena *a = arena_new();
-  Graph *g16 = training_graph(a, md, true), *g32 = training_graph(a, md, false);
+  Graph *g16 = checked_training_graph(a, md, true), *g32 = checked_training_graph(a, md, false);
   Run ref = {0}, r32 = {0};
   Interp *it = NULL;
   bool have = g16 && g32 && interp_reference(g16, 1, &ref, &it) && interp_reference(g32, 1, &r32, NULL);
@@ -797,7 +788,7 @@ static void test_bf16_rounding(void) {
                                     0xff80, 0x7fc0, 0x7fc0, 0xbf82, 0x0000, 0x0000, 0x0002, 0x7f80};
   Arena *a = arena_new();
   Model md = {"castbits.mdl", {{NULL, 0}}, 0, src};
-  Graph *g = training_graph(a, &md, true);
+  Graph *g = checked_training_graph(a, &md, true);
   int x = -1, cast = -1;
   for (int i = 0; g && i < g->n; i++) {
     x = g->nodes[i]->op == OP_INPUT && !strcmp(g->nodes[i]->name, "x") ? i : x;
@@ -837,7 +828,7 @@ static void test_bf16_rounding(void) {
 static void test_bf16_arena(const char *path) {
   Arena *a = arena_new();
   Model md = {path, {{NULL, 0}}, 0, NULL};
-  Graph *g16 = training_graph(a, &md, true), *g32 = training_graph(a, &md, false);
+  Graph *g16 = checked_training_graph(a, &md, true), *g32 = checked_training_graph(a, &md, false);
   for (int fz = 0; fz < 2 && g16 && g32; fz++) {
     FuseOptions o = {.fuse = fz, .chunk_lmhead = fz};
     int64_t b16 = memplan(fuse(g16, o))->arena_bytes, b32 = memplan(fuse(g32, o))->arena_bytes;
@@ -1023,7 +1014,7 @@ static Engine *make_interp(const void *ctx, uint64_t seed) { return engine_inter
 // draw_checks.h on gpt2-tiny, bf16 (parameters with copies), fused: the interpreter and the CPU back end.
 static void test_param_draw(void) {
   Arena *a = arena_new();
-  Graph *g = training_graph(a, &(Model){"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL}, true);
+  Graph *g = checked_training_graph(a, &(Model){"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL}, true);
   if (g) {
     param_draw_unit_checks(g);
     draw_checks("interp gpt2-tiny", g, make_interp, g);

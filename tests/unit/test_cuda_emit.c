@@ -69,13 +69,6 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef struct {
-  const char *path;
-  DimOverride ov[3];
-  int nov;
-  const char *text; // the model's source when it is not a file
-} Model;
-
 // The op families the models leave out, forward and backward: transcendental unary ops, division,
 // reductions over inner and outer axes (one long enough for partial sums), max, softmax, permute and
 // transpose, batched matmuls (one broadcasting its batch), concat and split, layernorm, rmsnorm, rope,
@@ -357,10 +350,8 @@ static const Model models[] = {
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
 static Graph *load(Arena *a, const Model *md, DType prec) {
-  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
-                      : mdl_compile_file(a, md->path, md->ov, md->nov);
   char why[256];
-  return g && autodiff(g, true) && precision_assign(g, prec, why, sizeof why) ? g : NULL;
+  return training_graph(a, md, prec, why, sizeof why);
 }
 
 static const char *prec_name(DType prec) { return prec == DT_BF16 ? "bf16" : "fp32"; }
