@@ -1,6 +1,6 @@
-// harness.h: what the unit tests share: a model compiled into its training graph, a scratch cache
-// folder made and removed, ... (static inline, so that each test stays one translation unit and one
-// that uses only some of them compiles without warnings).
+// harness.h: what the unit tests share: a model compiled into its training graph, a graph's inputs
+// set from a test's batch, a scratch cache folder made and removed, ... (static inline, so that
+// each test stays one translation unit and one that uses only some of them compiles without warnings).
 #ifndef MDL_HARNESS_H
 #define MDL_HARNESS_H
 #include <dirent.h>
@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "mdl.h"
+#include "backend.h"
 #include "test.h"
 
 // A model the tests compile: a file, or the text of one (path then only names it), with up to three
@@ -34,6 +35,31 @@ static inline Graph *training_graph(Arena *a, const Model *md, DType prec, char 
   Graph *g = compile_model(a, md);
   snprintf(why, n, "front end or autodiff failed");
   return g && autodiff(g, true) && precision_assign(g, prec, why, n) ? g : NULL;
+}
+
+// A test's batch: fills the values of input nd, shape_numel(nd->shape) of them, into ids (an i32
+// input) or f (an f32 one); both have room for them.
+typedef void InputFill(const IrNode *nd, int32_t *ids, float *f);
+
+// Sets every input of g, as fill makes it, in the interpreter (it) or in a CPU module's arena (m,
+// arena).
+static inline void set_inputs_by(const Graph *g, InputFill *fill, Interp *it, const MemPlan *m, char *arena) {
+  for (int i = 0; i < g->n; i++) {
+    const IrNode *nd = g->nodes[i];
+    if (nd->op != OP_INPUT)
+      continue;
+    int64_t n = shape_numel(nd->shape);
+    int32_t *ids = malloc(sizeof *ids * (size_t)n);
+    float *f = malloc(sizeof *f * (size_t)n);
+    fill(nd, ids, f);
+    bool i32 = nd->dtype == DT_I32;
+    if (it)
+      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
+    else
+      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
+    free(ids);
+    free(f);
+  }
 }
 
 // Makes the folder dir (a mkdtemp template) and points MDL_CACHE at it, so that the modules a test

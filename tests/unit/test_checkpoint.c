@@ -185,26 +185,6 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
   }
 }
 
-// Sets every input of the graph in the interpreter (it) or in the arena (m, arena).
-static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
-  for (int i = 0; i < g->n; i++) {
-    const IrNode *nd = g->nodes[i];
-    if (nd->op != OP_INPUT)
-      continue;
-    int64_t n = shape_numel(nd->shape);
-    int32_t *ids = malloc(sizeof *ids * (size_t)n);
-    float *f = malloc(sizeof *f * (size_t)n);
-    batch(nd, ids, f);
-    bool i32 = nd->dtype == DT_I32;
-    if (it)
-      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    else
-      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    free(ids);
-    free(f);
-  }
-}
-
 // What a run produced: step 1's loss and gradients (their bytes as the arena holds them), the
 // parameters after the last step, and the arena it was planned for.
 typedef struct {
@@ -258,7 +238,7 @@ static bool cpu_steps(Graph *g, int steps, uint64_t seed, Run *out, char *why, s
     return false;
   char *arena = cpu_arena_new(m);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_threads(cm, 2);
   cm->hooks.seed = seed;
   out->grad = calloc((size_t)g->nparams, sizeof *out->grad);
@@ -335,7 +315,7 @@ static bool emu_steps(Graph *g, const char *dir, const char *tag, Run *out, char
   memset(arena, 0, bytes);
   memset(arena + p->scratch, 0xff, (size_t)(p->arena_bytes - p->scratch));
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_scalar(g, m, arena, "lr", LR);
   cpu_set_scalar(g, m, arena, "step", 1);
   MdlStatus st = {0};
@@ -801,7 +781,7 @@ static void test_eval_lmhead(const char *dir, const char *model, bool bf16, bool
 
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 7);
-  set_inputs(g, it, NULL, NULL);
+  set_inputs_by(g, batch, it, NULL, NULL);
   bool have = interp_run(it, g->n, why, sizeof why);
   double ref = have ? interp_value(it, g->loss)[0] : NAN, tol = bf16 ? 1e-3 : 1e-5;
   interp_free(it);

@@ -284,26 +284,6 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
   }
 }
 
-// Sets every input of the graph in the interpreter (it) or in the arena (m, arena).
-static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
-  for (int i = 0; i < g->n; i++) {
-    const IrNode *nd = g->nodes[i];
-    if (nd->op != OP_INPUT)
-      continue;
-    int64_t n = shape_numel(nd->shape);
-    int32_t *ids = malloc(sizeof *ids * (size_t)n);
-    float *f = malloc(sizeof *f * (size_t)n);
-    batch(nd, ids, f);
-    bool i32 = nd->dtype == DT_I32;
-    if (it)
-      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    else
-      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    free(ids);
-    free(f);
-  }
-}
-
 // `steps` interpreter steps from the initial parameters (seed 7): the loss and gradients of step 1,
 // the parameters after the last. With keep, *keep is the interpreter, its values those of the last
 // step (the caller frees it).
@@ -311,7 +291,7 @@ static bool interp_reference(const Graph *g, int steps, Run *ref, Interp **keep)
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 7);
   interp_set_seed(it, 7);
-  set_inputs(g, it, NULL, NULL);
+  set_inputs_by(g, batch, it, NULL, NULL);
   ref->grad = calloc((size_t)g->nparams, sizeof *ref->grad);
   ref->param = calloc((size_t)g->nparams, sizeof *ref->param);
   ref->init = calloc((size_t)g->nparams, sizeof *ref->init);
@@ -345,7 +325,7 @@ static bool interp_reference(const Graph *g, int steps, Run *ref, Interp **keep)
 static bool cpu_run(const Graph *g, const MemPlan *m, CpuModule *cm, int threads, int steps, Run *out) {
   char *arena = cpu_arena_new(m);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_threads(cm, threads);
   cm->hooks.seed = 7;
   out->grad = calloc((size_t)g->nparams, sizeof *out->grad);
@@ -558,7 +538,7 @@ typedef struct {
 static char *first_step_arena(const Graph *g, const MemPlan *m, CpuModule *cm) {
   char *arena = cpu_arena_new(m);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_threads(cm, 2);
   cm->hooks.seed = 7;
   cpu_set_scalar(g, m, arena, "lr", LR);
@@ -678,7 +658,7 @@ static void second_step(const Model *md, const Graph *g, const Fusion *f, const 
   CHECK(ok && f->ncopies > 0 && differ == 0, name, "%lld differ", (long long)differ);
   Interp *it = interp_new(g, INTERP_F32);
   interp_set_seed(it, 7);
-  set_inputs(g, it, NULL, NULL);
+  set_inputs_by(g, batch, it, NULL, NULL);
   cpu_params_to_interp(g, m, arena, it);
   interp_set_scalar(it, "lr", LR);
   interp_set_scalar(it, "step", 2);
@@ -889,7 +869,7 @@ static void test_cache_and_errors(void) {
   if (first) {
     char *arena = cpu_arena_new(m);
     cpu_init_params(g, m, arena, 7);
-    set_inputs(g, NULL, m, arena);
+    set_inputs_by(g, batch, NULL, m, arena);
     cpu_set_scalar(g, m, arena, "lr", LR);
     cpu_set_scalar(g, m, arena, "step", 1);
     int32_t *targets = NULL, *tokens = NULL;

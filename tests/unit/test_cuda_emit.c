@@ -1060,25 +1060,6 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
   }
 }
 
-static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
-  for (int i = 0; i < g->n; i++) {
-    const IrNode *nd = g->nodes[i];
-    if (nd->op != OP_INPUT)
-      continue;
-    int64_t n = shape_numel(nd->shape);
-    int32_t *ids = malloc(sizeof *ids * (size_t)n);
-    float *f = malloc(sizeof *f * (size_t)n);
-    batch(nd, ids, f);
-    bool i32 = nd->dtype == DT_I32;
-    if (it)
-      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    else
-      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    free(ids);
-    free(f);
-  }
-}
-
 // EMU_CHECKS at work: a kernel of 32 threads run by the emulator, compiled as the modules are, reads
 // a float4 at its aligned address and a shared array inside its bounds (mode 0: the sum of its
 // outputs, 944); at an address 4 bytes further (mode 1) it stops with "misaligned address", and
@@ -1227,7 +1208,7 @@ static Interp *interp_step(Graph *g, bool *ok, char *err, size_t n) {
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 7);
   interp_set_seed(it, 7);
-  set_inputs(g, it, NULL, NULL);
+  set_inputs_by(g, batch, it, NULL, NULL);
   interp_set_scalar(it, "lr", 2e-3);
   interp_set_scalar(it, "step", 1);
   *ok = interp_run(it, g->n, err, n);
@@ -1303,7 +1284,7 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
 
   char *arena = arena_new_for(p);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_scalar(g, m, arena, "lr", 2e-3);
   cpu_set_scalar(g, m, arena, "step", 1);
   double **p0 = calloc((size_t)g->nparams, sizeof *p0);
@@ -1594,7 +1575,7 @@ static void test_attention_alone(const char *dir) {
     Interp *it = interp_step(g, &iok, err, sizeof err);
     char *arena = arena_new_for(p);
     cpu_init_params(g, m, arena, 7);
-    set_inputs(g, NULL, m, arena);
+    set_inputs_by(g, batch, NULL, m, arena);
     cpu_set_scalar(g, m, arena, "lr", 2e-3);
     cpu_set_scalar(g, m, arena, "step", 1);
     char *start = malloc((size_t)p->arena_bytes);
@@ -1953,12 +1934,12 @@ static void test_optimizers(const char *dir, bool nvrtc) {
     Interp *it = interp_new(g, INTERP_F32);
     interp_init_params(it, 7);
     interp_set_seed(it, 7);
-    set_inputs(g, it, NULL, NULL);
+    set_inputs_by(g, batch, it, NULL, NULL);
     interp_set_scalar(it, "lr", 2e-3);
     char *arena = ok ? arena_new_for(p) : NULL;
     if (arena) {
       cpu_init_params(g, m, arena, 7);
-      set_inputs(g, NULL, m, arena);
+      set_inputs_by(g, batch, NULL, m, arena);
       cpu_set_scalar(g, m, arena, "lr", 2e-3);
     }
     double **p0 = calloc((size_t)g->nparams, sizeof *p0);
