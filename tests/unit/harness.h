@@ -1,9 +1,11 @@
 // harness.h: what the unit tests share: a model compiled into its training graph, a graph's inputs
-// set from a test's batch, a scratch cache folder made and removed, ... (static inline, so that
-// each test stays one translation unit and one that uses only some of them compiles without warnings).
+// set from a test's batch, arrays compared with a tolerance, a scratch cache folder made and
+// removed, ... (static inline, so that each test stays one translation unit and one that uses only
+// some of them compiles without warnings).
 #ifndef MDL_HARNESS_H
 #define MDL_HARNESS_H
 #include <dirent.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,6 +62,18 @@ static inline void set_inputs_by(const Graph *g, InputFill *fill, Interp *it, co
     free(ids);
     free(f);
   }
+}
+
+// Per-tensor relative error: max |a - b| / max |b|; a NaN on either side is an infinite error (fmax
+// alone would drop it).
+static inline double rel_err(const double *a, const double *b, int64_t n) {
+  double d = 0, m = 1e-30;
+  for (int64_t i = 0; i < n; i++) {
+    double x = fabs(a[i] - b[i]);
+    d = fmax(d, isnan(x) ? INFINITY : x);
+    m = fmax(m, fabs(b[i]));
+  }
+  return d / m;
 }
 
 // Makes the folder dir (a mkdtemp template) and points MDL_CACHE at it, so that the modules a test

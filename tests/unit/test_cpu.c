@@ -214,18 +214,6 @@ static void run_free(const Graph *g, Run *r) {
   free(r->init);
 }
 
-// Per-tensor relative error: max |a - b| / max |b|; a NaN on either side is an infinite error (fmax
-// alone would drop it).
-static double rel_err(const double *a, const double *b, int64_t n) {
-  double d = 0, m = 1e-30;
-  for (int64_t i = 0; i < n; i++) {
-    double x = fabs(a[i] - b[i]);
-    d = fmax(d, isnan(x) ? INFINITY : x);
-    m = fmax(m, fabs(b[i]));
-  }
-  return d / m;
-}
-
 // Per-tensor L2 relative error: ||a - b|| / ||b||.
 static double l2_err(const double *a, const double *b, int64_t n) {
   double d = 0, m = 1e-300;

@@ -1184,17 +1184,6 @@ static double rel_l2(const double *a, const double *b, int64_t n) {
   return isnan(d) ? INFINITY : sqrt(d / r);
 }
 
-// max |a - b| / max |b|; a NaN on either side is an infinite error (fmax alone would drop it).
-static double rel_err(const double *a, const double *b, int64_t n) {
-  double d = 0, m = 1e-30;
-  for (int64_t i = 0; i < n; i++) {
-    double x = fabs(a[i] - b[i]);
-    d = fmax(d, isnan(x) ? INFINITY : x);
-    m = fmax(m, fabs(b[i]));
-  }
-  return d / m;
-}
-
 static double *from_float(const float *x, int64_t n) {
   double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
   for (int64_t i = 0; i < n; i++)

@@ -123,7 +123,7 @@ typedef struct {
 } Result;
 
 // max |got - want| / max |want| (the difference itself when want is all zeros); a NaN is infinite.
-static double rel_err(const double *got, const double *want, int n) {
+static double rel_or_abs_err(const double *got, const double *want, int n) {
   double d = 0, m = 0;
   for (int i = 0; i < n; i++) {
     double e = fabs(got[i] - want[i]);
@@ -152,7 +152,7 @@ static void compare(const char *label, const Batch *b, const Result *r, bool gra
         "%.9g)", r->loss, b->loss, el, b->loss * (double)b->counted / (double)b->n);
   if (!grads)
     return;
-  double es = rel_err(r->ds, b->ds, C), ew = rel_err(r->dw, b->dw, C * V);
+  double es = rel_or_abs_err(r->ds, b->ds, C), ew = rel_or_abs_err(r->dw, b->dw, C * V);
   snprintf(name, sizeof name, "%s: the gradients of s and w within %g (%.1e, %.1e)", label, tol, es, ew);
   CHECK(es < tol && ew < tol, name, "ds %.3g, dw %.3g", es, ew);
 }
