@@ -1,7 +1,7 @@
-// harness.h: what the unit tests share: a model compiled into its training graph, a graph's inputs
-// set from a test's batch, arrays compared with a tolerance, a scratch cache folder made and
-// removed, ... (static inline, so that each test stays one translation unit and one that uses only
-// some of them compiles without warnings).
+// harness.h: what the unit tests share: a model compiled into its training graph and its CPU
+// module, a graph's inputs set from a test's batch, arrays compared with a tolerance, a scratch
+// cache folder made and removed (static inline, so that each test stays one translation unit and
+// one that uses only some of them compiles without warnings).
 #ifndef MDL_HARNESS_H
 #define MDL_HARNESS_H
 #include <dirent.h>
@@ -37,6 +37,14 @@ static inline Graph *training_graph(Arena *a, const Model *md, DType prec, char 
   Graph *g = compile_model(a, md);
   snprintf(why, n, "front end or autodiff failed");
   return g && autodiff(g, true) && precision_assign(g, prec, why, n) ? g : NULL;
+}
+
+// The CPU module of the plan (f, m): emit_c's file built by the C compiler; NULL when either fails,
+// and why says which.
+static inline CpuModule *cpu_module(const Fusion *f, const MemPlan *m, const char *label, char *why, size_t n) {
+  char *src = emit_c(f, m, label);
+  snprintf(why, n, "emit_c failed");
+  return src ? cpu_load(src, why, n) : NULL;
 }
 
 // A test's batch: fills the values of input nd, shape_numel(nd->shape) of them, into ids (an i32

@@ -111,9 +111,7 @@ static bool run_forward(Graph *g, int out, int backend, const char *dir, const c
   Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
   MemPlan *m = memplan(f);
   if (backend == 1) {
-    char *src = emit_c(f, m, "mask.mdl");
-    snprintf(why, n, "emit_c failed");
-    CpuModule *cm = src ? cpu_load(src, why, n) : NULL;
+    CpuModule *cm = cpu_module(f, m, "mask.mdl", why, n);
     char *arena = cm ? cpu_arena_new(m) : NULL;
     if (arena) {
       set_inputs(g, NULL, m, arena);
@@ -376,9 +374,7 @@ static bool step(Graph *g, int backend, const char *dir, const char *tag, Run *r
   if (m->offset[logits_node(g)] < 0)
     return false;
   if (backend == 1) {
-    char *src = emit_c(f, m, tag);
-    snprintf(why, n, "emit_c failed");
-    CpuModule *cm = src ? cpu_load(src, why, n) : NULL;
+    CpuModule *cm = cpu_module(f, m, tag, why, n);
     char *arena = cm ? cpu_arena_new(m) : NULL;
     bool ok = arena != NULL;
     if (ok) {

@@ -231,9 +231,7 @@ static void keep_params(const Graph *g, const MemPlan *m, char *arena, Run *out)
 static bool cpu_steps(Graph *g, int steps, uint64_t seed, Run *out, char *why, size_t n) {
   Fusion *f = fuse(g, FO);
   MemPlan *m = memplan_with(f, true);
-  char *src = emit_c(f, m, g->model);
-  snprintf(why, n, "emit_c failed");
-  CpuModule *cm = src ? cpu_load(src, why, n) : NULL;
+  CpuModule *cm = cpu_module(f, m, g->model, why, n);
   if (!cm)
     return false;
   char *arena = cpu_arena_new(m);

@@ -225,9 +225,7 @@ static void keep(const Graph *g, const MemPlan *m, char *arena, Result *r) {
 
 static bool run_cpu(const Graph *g, const Fusion *f, const MemPlan *m, const Batch *b, Result *r, char *why,
                     size_t n) {
-  char *src = emit_c(f, m, "counted.mdl");
-  snprintf(why, n, "emit_c failed");
-  CpuModule *cm = src ? cpu_load(src, why, n) : NULL;
+  CpuModule *cm = cpu_module(f, m, "counted.mdl", why, n);
   if (!cm)
     return false;
   char *arena = cpu_arena_new(m);
