@@ -1,5 +1,5 @@
 // harness.h: what the unit tests share: a model compiled into its training graph and its CPU
-// module, a graph's inputs set from a test's batch, arrays compared with a tolerance, a scratch
+// module, a source checked with the C compiler, a graph's inputs set from a test's batch, arrays compared with a tolerance, a scratch
 // cache folder made and removed (static inline, so that each test stays one translation unit and
 // one that uses only some of them compiles without warnings).
 #ifndef MDL_HARNESS_H
@@ -45,6 +45,31 @@ static inline CpuModule *cpu_module(const Fusion *f, const MemPlan *m, const cha
   char *src = emit_c(f, m, label);
   snprintf(why, n, "emit_c failed");
   return src ? cpu_load(src, why, n) : NULL;
+}
+
+// src, written to a temporary file, compiles with the command cc (its %s: the file's path) without a
+// warning; else the compiler's first error is in why.
+static inline bool compiles_clean(const char *cc, const char *src, char *why, size_t n) {
+  char path[] = "/tmp/mdl-src-XXXXXX.c", log[] = "/tmp/mdl-src-XXXXXX.log", cmd[1024], run[1200];
+  int fd = mkstemps(path, 2), lfd = mkstemps(log, 4);
+  if (fd < 0 || lfd < 0)
+    return false;
+  close(lfd);
+  FILE *f = fdopen(fd, "w");
+  fputs(src, f);
+  fclose(f);
+  snprintf(cmd, sizeof cmd, cc, path);
+  snprintf(run, sizeof run, "%s >%s 2>&1", cmd, log);
+  int rc = system(run);
+  snprintf(why, n, "?");
+  f = fopen(log, "r");
+  while (f && fgets(why, (int)n, f) && !strstr(why, "error"))
+    ;
+  if (f)
+    fclose(f);
+  unlink(path);
+  unlink(log);
+  return rc == 0;
 }
 
 // A test's batch: fills the values of input nd, shape_numel(nd->shape) of them, into ids (an i32
