@@ -1,15 +1,18 @@
 // harness.h: what the unit tests share: a model compiled into its training graph and its CPU
-// module, a source checked with the C compiler, a graph's inputs set from a test's batch, arrays compared with a tolerance, a scratch
-// cache folder made and removed (static inline, so that each test stays one translation unit and
-// one that uses only some of them compiles without warnings).
+// module, a source checked with the C compiler, a graph's inputs set from a test's batch, arrays
+// compared with a tolerance, ops counted, float bits, the clock, a scratch cache folder made and
+// removed (static inline, so that each test stays one translation unit and one that uses only some
+// of them compiles without warnings).
 #ifndef MDL_HARNESS_H
 #define MDL_HARNESS_H
 #include <dirent.h>
 #include <math.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "mdl.h"
@@ -107,6 +110,39 @@ static inline double rel_err(const double *a, const double *b, int64_t n) {
     m = fmax(m, fabs(b[i]));
   }
   return d / m;
+}
+
+// The nodes of g that are op.
+static inline int count_op(const Graph *g, Op op) {
+  int n = 0;
+  for (int i = 0; i < g->n; i++)
+    n += g->nodes[i]->op == op;
+  return n;
+}
+
+static inline bool is_fp8(DType t) { return t == DT_F8E4M3 || t == DT_F8E5M2; }
+
+// A float's bits, and back.
+static inline uint32_t bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return u;
+}
+
+static inline float from_bits(uint32_t u) {
+  float x;
+  memcpy(&x, &u, 4);
+  return x;
+}
+
+// The value of a bf16 (its bits h).
+static inline float bf16_value(uint16_t h) { return from_bits((uint32_t)h << 16); }
+
+// Seconds on the monotonic clock.
+static inline double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 // Makes the folder dir (a mkdtemp template) and points MDL_CACHE at it, so that the modules a test

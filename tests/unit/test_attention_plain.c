@@ -205,13 +205,6 @@ static Graph *graph(Arena *a, const char *model, int64_t t, bool plain, bool no_
   return g && (!grads || autodiff(g, true)) ? g : NULL;
 }
 
-static int count_op(const Graph *g, Op op) {
-  int n = 0;
-  for (int i = 0; i < g->n; i++)
-    n += g->nodes[i]->op == op;
-  return n;
-}
-
 // Whether some forward node reads the doc ids input.
 static bool reads_doc(const Graph *g) {
   for (int i = 0; i < g->fwd_end; i++)

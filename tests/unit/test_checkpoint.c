@@ -486,7 +486,7 @@ static void test_cuda(const char *dir, const char *model, bool bf16) {
   arena_free(a);
 }
 
-static int count_op(const Graph *g, Op op, int from, int to) {
+static int count_op_in(const Graph *g, Op op, int from, int to) {
   int n = 0;
   for (int i = from; i < to; i++)
     n += g->nodes[i]->op == op;
@@ -506,8 +506,9 @@ static void test_dropout(void) {
     return;
   }
   // Every DROPOUT of all's backward beyond none's is a clone, and draws the mask of a forward dropout.
-  int fwd = count_op(all, OP_DROPOUT, 0, all->fwd_end), back_none = count_op(none, OP_DROPOUT, none->fwd_end, none->n),
-      back_all = count_op(all, OP_DROPOUT, all->fwd_end, all->n), foreign = 0;
+  int fwd = count_op_in(all, OP_DROPOUT, 0, all->fwd_end);
+  int back_none = count_op_in(none, OP_DROPOUT, none->fwd_end, none->n);
+  int back_all = count_op_in(all, OP_DROPOUT, all->fwd_end, all->n), foreign = 0;
   for (int i = all->fwd_end; i < all->n; i++) {
     const IrNode *c = all->nodes[i];
     bool drawn = c->op != OP_DROPOUT;

@@ -490,13 +490,6 @@ static uint16_t bf16_bits(float x) {
   return (uint16_t)(u >> 16);
 }
 
-static float bf16_value(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float x;
-  memcpy(&x, &u, sizeof x);
-  return x;
-}
-
 // How kernel outputs compare with the interpreter's values: the worst f32 output (max |cpu - interp|
 // / max |interp| per tensor; a NaN counts as infinite), bf16 elements that differ (all of them one
 // bf16 ulp apart when ulp1), i32 elements that differ, and the first kernel that reported an error.

@@ -356,12 +356,6 @@ static Graph *load(Arena *a, const Model *md, DType prec) {
 
 static const char *prec_name(DType prec) { return prec == DT_BF16 ? "bf16" : "fp32"; }
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 //
 // 1. NVRTC.
 //

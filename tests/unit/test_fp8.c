@@ -95,24 +95,6 @@ static const char kernels[] =
     "  }\n"
     "}\n";
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static uint32_t bits(float x) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  return u;
-}
-
-static float from_bits(uint32_t u) {
-  float x;
-  memcpy(&x, &u, 4);
-  return x;
-}
-
 // The value of a finite fp8 code by the format's definition.
 static double fp8_value(int c, const Format *f) {
   int e = (c & 0x7f) >> f->man, m = c & ((1 << f->man) - 1);

@@ -25,6 +25,7 @@
 #include "cuda.h"
 #include "runtime.h"
 #include "test.h"
+#include "harness.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -91,8 +92,6 @@ static float *read_all(Engine *e, int node) {
   e->read(e, node, x);
   return x;
 }
-
-static bool is_fp8(DType t) { return t == DT_F8E4M3 || t == DT_F8E5M2; }
 
 // The codes of every fp8 CAST: the C back end's (in its arena) against the interpreter's values.
 static void compare_codes(const Graph *g, Engine *ec, Engine *ei) {

@@ -79,13 +79,6 @@ static void pattern(float *x, int64_t n, int salt) {
     x[i] = (float)sin(0.37 * (double)i + 0.9 * salt + 0.2);
 }
 
-static double bf16_value(uint16_t h) {
-  uint32_t bits = (uint32_t)h << 16;
-  float x;
-  memcpy(&x, &bits, sizeof x);
-  return x;
-}
-
 // Compiles f for the CPU and runs its step; runs the interpreter on the same inputs and initial
 // parameters (i32 inputs: ids below IDS); compares every materialised non-leaf value, gradients
 // included (no memory reuse, so each is still there at the end). Returns the worst relative error,
