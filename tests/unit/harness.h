@@ -100,6 +100,14 @@ static inline void set_inputs_by(const Graph *g, InputFill *fill, Interp *it, co
   }
 }
 
+// n floats as doubles, in a new array (free it).
+static inline double *from_float(const float *x, int64_t n) {
+  double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
+  for (int64_t i = 0; i < n; i++)
+    d[i] = x[i];
+  return d;
+}
+
 // Per-tensor relative error: max |a - b| / max |b|; a NaN on either side is an infinite error (fmax
 // alone would drop it).
 static inline double rel_err(const double *a, const double *b, int64_t n) {

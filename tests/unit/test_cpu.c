@@ -189,13 +189,6 @@ typedef struct {
 
 static int64_t count(const Graph *g, int k) { return shape_numel(g->nodes[g->params[k]]->shape); }
 
-static double *dup_f(const float *x, int64_t n) {
-  double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
-  for (int64_t i = 0; i < n; i++)
-    d[i] = x[i];
-  return d;
-}
-
 static double *dup_d(const double *x, int64_t n) {
   double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
   memcpy(d, x, sizeof *d * (size_t)n);
@@ -329,11 +322,11 @@ static bool cpu_run(const Graph *g, const MemPlan *m, CpuModule *cm, int threads
     if (s == 1) {
       out->loss = *(float *)cpu_value(m, arena, g->loss);
       for (int k = 0; k < g->nparams; k++)
-        out->grad[k] = g->grads[k] < 0 ? NULL : dup_f(cpu_value(m, arena, g->grads[k]), count(g, k));
+        out->grad[k] = g->grads[k] < 0 ? NULL : from_float(cpu_value(m, arena, g->grads[k]), count(g, k));
     }
   }
   for (int k = 0; k < g->nparams; k++)
-    out->param[k] = dup_f(cpu_value(m, arena, g->params[k]), count(g, k));
+    out->param[k] = from_float(cpu_value(m, arena, g->params[k]), count(g, k));
   cpu_arena_free(m, arena);
   return ok;
 }
@@ -402,7 +395,7 @@ static void test_model(const Model *md) {
     cpu_init_params(g, m, arena, 7);
     double init = 0;
     for (int k = 0; k < g->nparams; k++) {
-      double *p = dup_f(cpu_value(m, arena, g->params[k]), count(g, k));
+      double *p = from_float(cpu_value(m, arena, g->params[k]), count(g, k));
       init = fmax(init, rel_err(p, ref.init[k], count(g, k)));
       free(p);
     }
@@ -929,7 +922,7 @@ static void test_limits(void) {
             "loss %g, interpreter %g (%s)", loss, ref, err);
     } else {
       int64_t n = shape_numel(g->nodes[g->params[0]]->shape);
-      double *gs = dup_f(cpu_value(m, arena, g->grads[0]), n);
+      double *gs = from_float(cpu_value(m, arena, g->grads[0]), n);
       double e = rel_err(gs, interp_value(it, g->grads[0]), n);
       CHECK(iok && cok && isfinite(loss) && fabs(loss - ref) <= 1e-5 * fabs(ref) && e <= 1e-5,
             "cpu limits: -inf logits, gelu and silu at +-1e4 give the interpreter's loss and gradient (1e-5)",

@@ -1178,13 +1178,6 @@ static double rel_l2(const double *a, const double *b, int64_t n) {
   return isnan(d) ? INFINITY : sqrt(d / r);
 }
 
-static double *from_float(const float *x, int64_t n) {
-  double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
-  for (int64_t i = 0; i < n; i++)
-    d[i] = x[i];
-  return d;
-}
-
 // One step of the interpreter (fp32 values, bf16 at every CAST) on g from the emulation's
 // parameters, batch and scalars; *ok false with the reason in err when it fails.
 static Interp *interp_step(Graph *g, bool *ok, char *err, size_t n) {
