@@ -79,6 +79,21 @@ static inline bool compiles_clean(const char *cc, const char *src, char *why, si
 // input) or f (an f32 one); both have room for them.
 typedef void InputFill(const IrNode *nd, int32_t *ids, float *f);
 
+// A packed batch (an InputFill): token patterns, two documents per row (positions restart at the
+// second), targets below 4 for one per row (rank 1) else below 256; f32 inputs a smooth pattern.
+static inline void packed_batch(const IrNode *nd, int32_t *ids, float *f) {
+  int64_t n = shape_numel(nd->shape), cols = nd->shape.d[nd->shape.rank - 1];
+  for (int64_t j = 0; j < n; j++) {
+    int64_t t = j % cols, split = cols / 2;
+    ids[j] = !strcmp(nd->name, "tokens")    ? (int32_t)((j * 37 + 11) % 256)
+             : !strcmp(nd->name, "targets") ? (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 256))
+             : !strcmp(nd->name, "pos")     ? (int32_t)(t < split ? t : t - split)
+             : !strcmp(nd->name, "doc")     ? (t < split ? 0 : 1)
+                                            : 0;
+    f[j] = (float)sin(0.7 * (double)j + 0.3);
+  }
+}
+
 // Sets every input of g, as fill makes it, in the interpreter (it) or in a CPU module's arena (m,
 // arena).
 static inline void set_inputs_by(const Graph *g, InputFill *fill, Interp *it, const MemPlan *m, char *arena) {
