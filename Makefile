@@ -62,7 +62,8 @@ build/preludes.o: build/preludes.c
 	$(CC) $(CFLAGS) -c -o $@ $<
 
 build/tests/%: tests/unit/%.c tests/unit/test.h tests/unit/draw_checks.h tests/unit/cubin_syms.h \
-                tests/unit/cuda_emu_host.h tests/unit/cuda_emu.h tests/unit/scratch_dir.h build/libmdl.a
+                tests/unit/cuda_emu_host.h tests/unit/cuda_emu.h tests/unit/scratch_dir.h tests/unit/harness.h \
+                build/libmdl.a
 	@mkdir -p build/tests
 	$(CC) $(CFLAGS) -Itests/unit -o $@ $< build/libmdl.a $(LDLIBS)
 

@@ -38,9 +38,9 @@
 #include "emit_cuda.h"
 #include "runtime.h"
 #include "test.h"
+#include "harness.h"
 #include "cuda_emu_host.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,9 +113,7 @@ static bool run_forward(Graph *g, int out, int backend, const char *dir, const c
   Fusion *f = fuse(g, (FuseOptions){.fuse = true, .chunk_lmhead = true});
   MemPlan *m = memplan(f);
   if (backend == 1) {
-    char *src = emit_c(f, m, "mask.mdl");
-    snprintf(why, n, "emit_c failed");
-    CpuModule *cm = src ? cpu_load(src, why, n) : NULL;
+    CpuModule *cm = cpu_module(f, m, "mask.mdl", why, n);
     char *arena = cm ? cpu_arena_new(m) : NULL;
     if (arena) {
       set_inputs(g, NULL, m, arena);
@@ -207,13 +205,6 @@ static Graph *graph(Arena *a, const char *model, int64_t t, bool plain, bool no_
   LowerOptions lo = {.plain_attention = plain, .no_doc_mask = no_doc};
   Graph *g = mdl_compile_file_with(a, arena_printf(a, "models/%s.mdl", model), ov, 2, &lo);
   return g && (!grads || autodiff(g, true)) ? g : NULL;
-}
-
-static int count_op(const Graph *g, Op op) {
-  int n = 0;
-  for (int i = 0; i < g->n; i++)
-    n += g->nodes[i]->op == op;
-  return n;
 }
 
 // Whether some forward node reads the doc ids input.
@@ -378,9 +369,7 @@ static bool step(Graph *g, int backend, const char *dir, const char *tag, Run *r
   if (m->offset[logits_node(g)] < 0)
     return false;
   if (backend == 1) {
-    char *src = emit_c(f, m, tag);
-    snprintf(why, n, "emit_c failed");
-    CpuModule *cm = src ? cpu_load(src, why, n) : NULL;
+    CpuModule *cm = cpu_module(f, m, tag, why, n);
     char *arena = cm ? cpu_arena_new(m) : NULL;
     bool ok = arena != NULL;
     if (ok) {
@@ -574,27 +563,6 @@ static void test_nvrtc(void) {
   }
 }
 
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *de;
-  char path[1200];
-  while (d && (de = readdir(d))) {
-    if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
-      continue;
-    snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
-    DIR *sub = opendir(path);
-    if (sub) {
-      closedir(sub);
-      remove_dir(path);
-    } else {
-      unlink(path);
-    }
-  }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
-
 //
 // 6. Grouped heads are repeated heads.
 //
@@ -708,11 +676,8 @@ static void test_grouped(void) {
 
 int main(void) {
   char dir[] = "/tmp/mdl-plain-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "plain attention: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "plain attention: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   bool emu = system("g++ --version >/dev/null 2>&1") == 0;
   if (!emu)
     printf("[skip] plain attention: cuda emu: no g++\n");

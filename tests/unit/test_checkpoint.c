@@ -38,21 +38,14 @@
 #include "emit_c.h"
 #include "emit_cuda.h"
 #include "test.h"
+#include "harness.h"
 #include "cuda_emu_host.h"
 
-#include <dirent.h>
 #include <dlfcn.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-typedef struct {
-  const char *path;
-  DimOverride ov[2];
-  int nov;
-  const char *text; // the model's source when it is not a file
-} Model;
 
 // A gpt2-like model whose layers drop out the attention's projection and the MLP's hidden values;
 // the latter is a saved value (the input of the down projection's weight gradient) inside the body,
@@ -135,15 +128,6 @@ static void forward_free(Forward *fw) {
   free(fw->ops);
 }
 
-// md's training graph, its GEMM operands in bf16 with bf16; NULL when the front end, autodiff or the
-// precision pass fails.
-static Graph *training_graph(Arena *a, const Model *md, bool bf16, char *why, size_t n) {
-  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
-                      : mdl_compile_file(a, md->path, md->ov, md->nov);
-  snprintf(why, n, "front end or autodiff failed");
-  return g && autodiff(g, true) && (!bf16 || precision_assign(g, DT_BF16, why, n)) ? g : NULL;
-}
-
 static bool place(Graph *g, const char *policy, int64_t budget, char *why, size_t n) {
   return checkpoint_place(g, policy, budget, budget ? "the test's budget" : NULL, false, FO, true, NULL, why, n);
 }
@@ -153,7 +137,7 @@ static bool place(Graph *g, const char *policy, int64_t budget, char *why, size_
 static Graph *placed(Arena *a, const Model *md, bool bf16, const char *policy, int64_t budget, const char *label,
                      bool *forward_kept, char *differs, size_t dn) {
   char why[600], name[300];
-  Graph *g = training_graph(a, md, bf16, why, sizeof why);
+  Graph *g = training_graph(a, md, bf16 ? DT_BF16 : DT_F32, why, sizeof why);
   Forward fw = {0};
   bool ok = g != NULL;
   if (ok) {
@@ -203,26 +187,6 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
   }
 }
 
-// Sets every input of the graph in the interpreter (it) or in the arena (m, arena).
-static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
-  for (int i = 0; i < g->n; i++) {
-    const IrNode *nd = g->nodes[i];
-    if (nd->op != OP_INPUT)
-      continue;
-    int64_t n = shape_numel(nd->shape);
-    int32_t *ids = malloc(sizeof *ids * (size_t)n);
-    float *f = malloc(sizeof *f * (size_t)n);
-    batch(nd, ids, f);
-    bool i32 = nd->dtype == DT_I32;
-    if (it)
-      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    else
-      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    free(ids);
-    free(f);
-  }
-}
-
 // What a run produced: step 1's loss and gradients (their bytes as the arena holds them), the
 // parameters after the last step, and the arena it was planned for.
 typedef struct {
@@ -269,14 +233,12 @@ static void keep_params(const Graph *g, const MemPlan *m, char *arena, Run *out)
 static bool cpu_steps(Graph *g, int steps, uint64_t seed, Run *out, char *why, size_t n) {
   Fusion *f = fuse(g, FO);
   MemPlan *m = memplan_with(f, true);
-  char *src = emit_c(f, m, g->model);
-  snprintf(why, n, "emit_c failed");
-  CpuModule *cm = src ? cpu_load(src, why, n) : NULL;
+  CpuModule *cm = cpu_module(f, m, g->model, why, n);
   if (!cm)
     return false;
   char *arena = cpu_arena_new(m);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_threads(cm, 2);
   cm->hooks.seed = seed;
   out->grad = calloc((size_t)g->nparams, sizeof *out->grad);
@@ -353,7 +315,7 @@ static bool emu_steps(Graph *g, const char *dir, const char *tag, Run *out, char
   memset(arena, 0, bytes);
   memset(arena + p->scratch, 0xff, (size_t)(p->arena_bytes - p->scratch));
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_scalar(g, m, arena, "lr", LR);
   cpu_set_scalar(g, m, arena, "step", 1);
   MdlStatus st = {0};
@@ -526,7 +488,7 @@ static void test_cuda(const char *dir, const char *model, bool bf16) {
   arena_free(a);
 }
 
-static int count_op(const Graph *g, Op op, int from, int to) {
+static int count_op_in(const Graph *g, Op op, int from, int to) {
   int n = 0;
   for (int i = from; i < to; i++)
     n += g->nodes[i]->op == op;
@@ -546,8 +508,9 @@ static void test_dropout(void) {
     return;
   }
   // Every DROPOUT of all's backward beyond none's is a clone, and draws the mask of a forward dropout.
-  int fwd = count_op(all, OP_DROPOUT, 0, all->fwd_end), back_none = count_op(none, OP_DROPOUT, none->fwd_end, none->n),
-      back_all = count_op(all, OP_DROPOUT, all->fwd_end, all->n), foreign = 0;
+  int fwd = count_op_in(all, OP_DROPOUT, 0, all->fwd_end);
+  int back_none = count_op_in(none, OP_DROPOUT, none->fwd_end, none->n);
+  int back_all = count_op_in(all, OP_DROPOUT, all->fwd_end, all->n), foreign = 0;
   for (int i = all->fwd_end; i < all->n; i++) {
     const IrNode *c = all->nodes[i];
     bool drawn = c->op != OP_DROPOUT;
@@ -588,7 +551,8 @@ static void test_budgets(bool bf16) {
   const Model md = {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL};
   const char *prec = bf16 ? "bf16" : "fp32";
   char name[400], why[600], seen[2000] = "";
-  Graph *none = training_graph(a, &md, bf16, why, sizeof why), *all = training_graph(a, &md, bf16, why, sizeof why);
+  DType gemm = bf16 ? DT_BF16 : DT_F32;
+  Graph *none = training_graph(a, &md, gemm, why, sizeof why), *all = training_graph(a, &md, gemm, why, sizeof why);
   bool ok = none && all && place(none, "none", 0, why, sizeof why) && place(all, "all", 0, why, sizeof why);
   snprintf(name, sizeof name, "checkpoint budgets gpt2-tiny %s: none and all place", prec);
   if (!ok) {
@@ -601,7 +565,7 @@ static void test_budgets(bool bf16) {
   int len = 0;
   for (int k = 0; k <= 8; k++) {
     int64_t budget = hi - k * (hi - lo) / 8;
-    Graph *g = training_graph(a, &md, bf16, why, sizeof why);
+    Graph *g = training_graph(a, &md, bf16 ? DT_BF16 : DT_F32, why, sizeof why);
     bool placed_ok = g && place(g, "auto", budget, why, sizeof why);
     int64_t peak = placed_ok ? g->ckpt.peak : -1;
     within &= placed_ok && peak <= budget;
@@ -619,7 +583,7 @@ static void test_budgets(bool bf16) {
            prec);
   CHECK(shrinks, name, "%s", seen);
 
-  Graph *g = training_graph(a, &md, bf16, why, sizeof why);
+  Graph *g = training_graph(a, &md, bf16 ? DT_BF16 : DT_F32, why, sizeof why);
   bool met = g && place(g, "auto", lo - 1, why, sizeof why);
   snprintf(name, sizeof name, "checkpoint budgets gpt2-tiny %s: a budget 1 byte under all's peak (%.3f MB) fails, "
            "reports all's peak and none's, and names the parameters", prec, mb(lo));
@@ -709,7 +673,8 @@ static void test_auto_order(void) {
   Arena *a = arena_new();
   const Model md = {"order.mdl", {{NULL, 0}}, 0, order_model};
   char name[600], why[600], seen[3000] = "";
-  Graph *none = training_graph(a, &md, false, why, sizeof why), *all = training_graph(a, &md, false, why, sizeof why);
+  Graph *none = training_graph(a, &md, DT_F32, why, sizeof why);
+  Graph *all = training_graph(a, &md, DT_F32, why, sizeof why);
   bool *cand = all ? calloc((size_t)all->fwd_end + 1, sizeof(bool)) : NULL;
   bool ok = none && cand && place(none, "none", 0, why, sizeof why) && place_listed(all, "all", 0, cand, why, sizeof why);
   int ids[64], nc = 0, foreign = 0;
@@ -731,7 +696,7 @@ static void test_auto_order(void) {
   int reversed_differs = 0, len = 0;
   for (int j = 0; j <= 24; j++) {
     int64_t budget = hi - j * (hi - lo) / 24;
-    Graph *g = training_graph(a, &md, false, why, sizeof why);
+    Graph *g = training_graph(a, &md, DT_F32, why, sizeof why);
     bool *rec = g ? calloc((size_t)g->fwd_end + 1, sizeof(bool)) : NULL;
     if (!rec || !place_listed(g, "auto", budget, rec, why, sizeof why)) {
       placed_all = false;
@@ -780,21 +745,6 @@ static void test_auto_order(void) {
   arena_free(a);
 }
 
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *ent;
-  char path[1200];
-  while (d && (ent = readdir(d)))
-    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
-      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
-      if (unlink(path))
-        remove_dir(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
-
 // Check 7: the validation engine's graph (forward only, dropout off, the loss its one output: the
 // models' logits output is sampling's). Its LM head is chunked as the training step's is (rule 2 of
 // fuse.c): the logits never whole in the arena, which at a batch that checkpointing makes possible
@@ -832,7 +782,7 @@ static void test_eval_lmhead(const char *dir, const char *model, bool bf16, bool
 
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 7);
-  set_inputs(g, it, NULL, NULL);
+  set_inputs_by(g, batch, it, NULL, NULL);
   bool have = interp_run(it, g->n, why, sizeof why);
   double ref = have ? interp_value(it, g->loss)[0] : NAN, tol = bf16 ? 1e-3 : 1e-5;
   interp_free(it);
@@ -909,11 +859,8 @@ static void test_per_param(const char *dir, const char *model, bool bf16, bool e
 
 int main(void) {
   char dir[] = "/tmp/mdl-ckpt-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "checkpoint: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "checkpoint: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   const Model models[] = {
       {"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},
       {"models/llama-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL},

@@ -28,9 +28,9 @@
 #include "backend.h"
 #include "emit_c.h"
 #include "test.h"
+#include "harness.h"
 #include "draw_checks.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,13 +39,6 @@
 enum { STEPS = 10 };
 static const double LR = 2e-3;
 static bool matrix; // `test_cpu matrix` (test_matrix): the warnings check is the whole run's
-
-typedef struct {
-  const char *path;
-  DimOverride ov[2];
-  int nov;
-  const char *text; // the model's source when it is not a file
-} Model;
 
 // Every op family the models above leave out, forward and backward: the transcendental unary ops,
 // division, reductions over inner and outer axes with and without keepdim (one long enough for
@@ -197,13 +190,6 @@ typedef struct {
 
 static int64_t count(const Graph *g, int k) { return shape_numel(g->nodes[g->params[k]]->shape); }
 
-static double *dup_f(const float *x, int64_t n) {
-  double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
-  for (int64_t i = 0; i < n; i++)
-    d[i] = x[i];
-  return d;
-}
-
 static double *dup_d(const double *x, int64_t n) {
   double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
   memcpy(d, x, sizeof *d * (size_t)n);
@@ -220,18 +206,6 @@ static void run_free(const Graph *g, Run *r) {
   free(r->grad);
   free(r->param);
   free(r->init);
-}
-
-// Per-tensor relative error: max |a - b| / max |b|; a NaN on either side is an infinite error (fmax
-// alone would drop it).
-static double rel_err(const double *a, const double *b, int64_t n) {
-  double d = 0, m = 1e-30;
-  for (int64_t i = 0; i < n; i++) {
-    double x = fabs(a[i] - b[i]);
-    d = fmax(d, isnan(x) ? INFINITY : x);
-    m = fmax(m, fabs(b[i]));
-  }
-  return d / m;
 }
 
 // Per-tensor L2 relative error: ||a - b|| / ||b||.
@@ -292,26 +266,6 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
   }
 }
 
-// Sets every input of the graph in the interpreter (it) or in the arena (m, arena).
-static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
-  for (int i = 0; i < g->n; i++) {
-    const IrNode *nd = g->nodes[i];
-    if (nd->op != OP_INPUT)
-      continue;
-    int64_t n = shape_numel(nd->shape);
-    int32_t *ids = malloc(sizeof *ids * (size_t)n);
-    float *f = malloc(sizeof *f * (size_t)n);
-    batch(nd, ids, f);
-    bool i32 = nd->dtype == DT_I32;
-    if (it)
-      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    else
-      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    free(ids);
-    free(f);
-  }
-}
-
 // `steps` interpreter steps from the initial parameters (seed 7): the loss and gradients of step 1,
 // the parameters after the last. With keep, *keep is the interpreter, its values those of the last
 // step (the caller frees it).
@@ -319,7 +273,7 @@ static bool interp_reference(const Graph *g, int steps, Run *ref, Interp **keep)
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 7);
   interp_set_seed(it, 7);
-  set_inputs(g, it, NULL, NULL);
+  set_inputs_by(g, batch, it, NULL, NULL);
   ref->grad = calloc((size_t)g->nparams, sizeof *ref->grad);
   ref->param = calloc((size_t)g->nparams, sizeof *ref->param);
   ref->init = calloc((size_t)g->nparams, sizeof *ref->init);
@@ -353,7 +307,7 @@ static bool interp_reference(const Graph *g, int steps, Run *ref, Interp **keep)
 static bool cpu_run(const Graph *g, const MemPlan *m, CpuModule *cm, int threads, int steps, Run *out) {
   char *arena = cpu_arena_new(m);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_threads(cm, threads);
   cm->hooks.seed = 7;
   out->grad = calloc((size_t)g->nparams, sizeof *out->grad);
@@ -369,50 +323,34 @@ static bool cpu_run(const Graph *g, const MemPlan *m, CpuModule *cm, int threads
     if (s == 1) {
       out->loss = *(float *)cpu_value(m, arena, g->loss);
       for (int k = 0; k < g->nparams; k++)
-        out->grad[k] = g->grads[k] < 0 ? NULL : dup_f(cpu_value(m, arena, g->grads[k]), count(g, k));
+        out->grad[k] = g->grads[k] < 0 ? NULL : from_float(cpu_value(m, arena, g->grads[k]), count(g, k));
     }
   }
   for (int k = 0; k < g->nparams; k++)
-    out->param[k] = dup_f(cpu_value(m, arena, g->params[k]), count(g, k));
+    out->param[k] = from_float(cpu_value(m, arena, g->params[k]), count(g, k));
   cpu_arena_free(m, arena);
   return ok;
 }
 
 // The emitted file compiles without a warning, whole and each of its parts (prelude.h: MDL_PART; the
 // runtime compiles the parts); else the compiler's first message is in why.
-static bool compiles_clean(const char *src, char *why, size_t n) {
-  char path[] = "/tmp/mdl-emit-XXXXXX.c", log[] = "/tmp/mdl-emit-XXXXXX.log", cmd[512];
-  int fd = mkstemps(path, 2), lfd = mkstemps(log, 4);
-  if (fd < 0 || lfd < 0)
-    return false;
-  close(lfd);
-  FILE *f = fdopen(fd, "w");
-  fputs(src, f);
-  fclose(f);
+static bool emitted_compiles_clean(const char *src, char *why, size_t n) {
   const char *np = strstr(src, "\n#define MDL_NPARTS ");
-  int parts = np ? atoi(np + strlen("\n#define MDL_NPARTS ")) : 0, rc = 0;
-  for (int p = -1; p < parts && rc == 0; p++) { // p -1: whole
-    char def[32] = "";
+  int parts = np ? atoi(np + strlen("\n#define MDL_NPARTS ")) : 0;
+  bool ok = true;
+  for (int p = -1; p < parts && ok; p++) { // p -1: whole
+    char def[32] = "", cc[160];
     if (p >= 0)
-      snprintf(def, sizeof def, "-DMDL_PART=%d", p);
-    snprintf(cmd, sizeof cmd, "cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror %s %s >%s 2>&1", def, path, log);
-    rc = system(cmd);
+      snprintf(def, sizeof def, "-DMDL_PART=%d ", p);
+    snprintf(cc, sizeof cc, "cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror %s%%s", def);
+    ok = compiles_clean(cc, src, why, n);
   }
-  snprintf(why, n, "?");
-  f = fopen(log, "r");
-  while (f && fgets(why, (int)n, f) && !strstr(why, "error"))
-    ;
-  if (f)
-    fclose(f);
-  unlink(path);
-  unlink(log);
-  return rc == 0;
+  return ok;
 }
 
 static void test_model(const Model *md) {
   Arena *a = arena_new();
-  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
-                      : mdl_compile_file(a, md->path, md->ov, md->nov);
+  Graph *g = compile_model(a, md);
   char name[160];
   snprintf(name, sizeof name, "cpu %s: compiles", md->path);
   CHECK(g && autodiff(g, true), name, "front end or autodiff failed");
@@ -447,7 +385,7 @@ static void test_model(const Model *md) {
     snprintf(name, sizeof name, "cpu %s %s: the emitted C compiles with -Wall -Wextra -Werror", md->path, mode);
     char err[256];
     if (!matrix)
-      CHECK(compiles_clean(src, err, sizeof err), name, "%s", err);
+      CHECK(emitted_compiles_clean(src, err, sizeof err), name, "%s", err);
     CpuModule *cm = cpu_load(src, err, sizeof err);
     snprintf(name, sizeof name, "cpu %s %s: module loads (%d kernels)", md->path, mode, cm ? cm->nkernels : 0);
     CHECK(cm != NULL, name, "%s", err);
@@ -458,7 +396,7 @@ static void test_model(const Model *md) {
     cpu_init_params(g, m, arena, 7);
     double init = 0;
     for (int k = 0; k < g->nparams; k++) {
-      double *p = dup_f(cpu_value(m, arena, g->params[k]), count(g, k));
+      double *p = from_float(cpu_value(m, arena, g->params[k]), count(g, k));
       init = fmax(init, rel_err(p, ref.init[k], count(g, k)));
       free(p);
     }
@@ -531,11 +469,10 @@ static void test_model(const Model *md) {
 }
 
 // A training graph of md (NULL after a failed check): with GEMM operands in bf16 when bf16 is set.
-static Graph *training_graph(Arena *a, const Model *md, bool bf16) {
-  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
-                      : mdl_compile_file(a, md->path, md->ov, md->nov);
-  char why[256] = "front end or autodiff failed", name[200];
-  bool ok = g && autodiff(g, true) && (!bf16 || precision_assign(g, DT_BF16, why, sizeof why));
+static Graph *checked_training_graph(Arena *a, const Model *md, bool bf16) {
+  char why[256], name[200];
+  Graph *g = training_graph(a, md, bf16 ? DT_BF16 : DT_F32, why, sizeof why);
+  bool ok = g != NULL;
   snprintf(name, sizeof name, "cpu bf16 %s: the %s training graph builds", md->path, bf16 ? "bf16" : "fp32");
   CHECK(ok, name, "%s", why);
   return ok ? g : NULL;
@@ -545,13 +482,6 @@ static uint16_t bf16_bits(float x) {
   uint32_t u;
   memcpy(&u, &x, sizeof u);
   return (uint16_t)(u >> 16);
-}
-
-static float bf16_value(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float x;
-  memcpy(&x, &u, sizeof x);
-  return x;
 }
 
 // How kernel outputs compare with the interpreter's values: the worst f32 output (max |cpu - interp|
@@ -568,7 +498,7 @@ typedef struct {
 static char *first_step_arena(const Graph *g, const MemPlan *m, CpuModule *cm) {
   char *arena = cpu_arena_new(m);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_threads(cm, 2);
   cm->hooks.seed = 7;
   cpu_set_scalar(g, m, arena, "lr", LR);
@@ -688,7 +618,7 @@ static void second_step(const Model *md, const Graph *g, const Fusion *f, const 
   CHECK(ok && f->ncopies > 0 && differ == 0, name, "%lld differ", (long long)differ);
   Interp *it = interp_new(g, INTERP_F32);
   interp_set_seed(it, 7);
-  set_inputs(g, it, NULL, NULL);
+  set_inputs_by(g, batch, it, NULL, NULL);
   cpu_params_to_interp(g, m, arena, it);
   interp_set_scalar(it, "lr", LR);
   interp_set_scalar(it, "step", 2);
@@ -705,7 +635,7 @@ static void second_step(const Model *md, const Graph *g, const Fusion *f, const 
 
 static void test_bf16(const Model *md) {
   Arena *a = arena_new();
-  Graph *g16 = training_graph(a, md, true), *g32 = training_graph(a, md, false);
+  Graph *g16 = checked_training_graph(a, md, true), *g32 = checked_training_graph(a, md, false);
   Run ref = {0}, r32 = {0};
   Interp *it = NULL;
   bool have = g16 && g32 && interp_reference(g16, 1, &ref, &it) && interp_reference(g32, 1, &r32, NULL);
@@ -717,7 +647,7 @@ static void test_bf16(const Model *md) {
     char *src = emit_c(f, m, md->path);
     snprintf(name, sizeof name, "cpu bf16 %s %s: the emitted C compiles with -Wall -Wextra -Werror", md->path, mode);
     if (!matrix)
-      CHECK(src && compiles_clean(src, err, sizeof err), name, "%s", src ? err : "emit_c failed");
+      CHECK(src && emitted_compiles_clean(src, err, sizeof err), name, "%s", src ? err : "emit_c failed");
     CpuModule *cm = src ? cpu_load(src, err, sizeof err) : NULL;
     snprintf(name, sizeof name, "cpu bf16 %s %s: module loads (%d kernels)", md->path, mode, cm ? cm->nkernels : 0);
     CHECK(cm != NULL, name, "%s", src ? err : "emit_c failed");
@@ -798,7 +728,7 @@ static void test_bf16_rounding(void) {
                                     0xff80, 0x7fc0, 0x7fc0, 0xbf82, 0x0000, 0x0000, 0x0002, 0x7f80};
   Arena *a = arena_new();
   Model md = {"castbits.mdl", {{NULL, 0}}, 0, src};
-  Graph *g = training_graph(a, &md, true);
+  Graph *g = checked_training_graph(a, &md, true);
   int x = -1, cast = -1;
   for (int i = 0; g && i < g->n; i++) {
     x = g->nodes[i]->op == OP_INPUT && !strcmp(g->nodes[i]->name, "x") ? i : x;
@@ -838,7 +768,7 @@ static void test_bf16_rounding(void) {
 static void test_bf16_arena(const char *path) {
   Arena *a = arena_new();
   Model md = {path, {{NULL, 0}}, 0, NULL};
-  Graph *g16 = training_graph(a, &md, true), *g32 = training_graph(a, &md, false);
+  Graph *g16 = checked_training_graph(a, &md, true), *g32 = checked_training_graph(a, &md, false);
   for (int fz = 0; fz < 2 && g16 && g32; fz++) {
     FuseOptions o = {.fuse = fz, .chunk_lmhead = fz};
     int64_t b16 = memplan(fuse(g16, o))->arena_bytes, b32 = memplan(fuse(g32, o))->arena_bytes;
@@ -899,7 +829,7 @@ static void test_cache_and_errors(void) {
   if (first) {
     char *arena = cpu_arena_new(m);
     cpu_init_params(g, m, arena, 7);
-    set_inputs(g, NULL, m, arena);
+    set_inputs_by(g, batch, NULL, m, arena);
     cpu_set_scalar(g, m, arena, "lr", LR);
     cpu_set_scalar(g, m, arena, "step", 1);
     int32_t *targets = NULL, *tokens = NULL;
@@ -993,7 +923,7 @@ static void test_limits(void) {
             "loss %g, interpreter %g (%s)", loss, ref, err);
     } else {
       int64_t n = shape_numel(g->nodes[g->params[0]]->shape);
-      double *gs = dup_f(cpu_value(m, arena, g->grads[0]), n);
+      double *gs = from_float(cpu_value(m, arena, g->grads[0]), n);
       double e = rel_err(gs, interp_value(it, g->grads[0]), n);
       CHECK(iok && cok && isfinite(loss) && fabs(loss - ref) <= 1e-5 * fabs(ref) && e <= 1e-5,
             "cpu limits: -inf logits, gelu and silu at +-1e4 give the interpreter's loss and gradient (1e-5)",
@@ -1024,7 +954,7 @@ static Engine *make_interp(const void *ctx, uint64_t seed) { return engine_inter
 // draw_checks.h on gpt2-tiny, bf16 (parameters with copies), fused: the interpreter and the CPU back end.
 static void test_param_draw(void) {
   Arena *a = arena_new();
-  Graph *g = training_graph(a, &(Model){"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL}, true);
+  Graph *g = checked_training_graph(a, &(Model){"models/gpt2-tiny.mdl", {{"B", 2}, {"T", 16}}, 2, NULL}, true);
   if (g) {
     param_draw_unit_checks(g);
     draw_checks("interp gpt2-tiny", g, make_interp, g);
@@ -1036,19 +966,6 @@ static void test_param_draw(void) {
   arena_free(a);
 }
 
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *ent;
-  char path[1200];
-  while (d && (ent = readdir(d)))
-    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
-      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
-      unlink(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
 // Attention long enough to run on the GEMM library (emit_c.c, attn_by_gemm): query blocks of 64 rows
 // and a last one of 32, causal within documents, then both kinds of non-causal attention.
 static const char attn_gemm[] =
@@ -1144,11 +1061,8 @@ int main(int argc, char **argv) {
     TEST_EXIT();
   }
   char dir[] = "/tmp/mdl-cache-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "cpu: a cache directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "cpu: a cache directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   const Model models[] = {
       {"models/gpt2-tiny.mdl", {{"B", 4}, {"T", 32}}, 2, NULL}, // 128 rows: the LM head in 2 chunks
       {"models/llama-tiny.mdl", {{"B", 4}, {"T", 32}}, 2, NULL},

@@ -56,6 +56,7 @@
 #include "emit_cuda.h"
 #include "runtime.h"
 #include "test.h"
+#include "harness.h"
 #include "cubin_syms.h"
 #include "cuda_emu_host.h"
 
@@ -68,13 +69,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-
-typedef struct {
-  const char *path;
-  DimOverride ov[3];
-  int nov;
-  const char *text; // the model's source when it is not a file
-} Model;
 
 // The op families the models leave out, forward and backward: transcendental unary ops, division,
 // reductions over inner and outer axes (one long enough for partial sums), max, softmax, permute and
@@ -357,34 +351,11 @@ static const Model models[] = {
 
 // The training graph of md, its GEMMs' operands rounded to bf16 when prec is DT_BF16.
 static Graph *load(Arena *a, const Model *md, DType prec) {
-  Graph *g = md->text ? mdl_compile_text(a, md->path, md->text, md->ov, md->nov)
-                      : mdl_compile_file(a, md->path, md->ov, md->nov);
   char why[256];
-  return g && autodiff(g, true) && precision_assign(g, prec, why, sizeof why) ? g : NULL;
+  return training_graph(a, md, prec, why, sizeof why);
 }
 
 static const char *prec_name(DType prec) { return prec == DT_BF16 ? "bf16" : "fp32"; }
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *ent;
-  char path[1200];
-  while (d && (ent = readdir(d)))
-    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
-      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
-      if (unlink(path))
-        remove_dir(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
 
 //
 // 1. NVRTC.
@@ -1084,25 +1055,6 @@ static void batch(const IrNode *nd, int32_t *ids, float *f) {
   }
 }
 
-static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
-  for (int i = 0; i < g->n; i++) {
-    const IrNode *nd = g->nodes[i];
-    if (nd->op != OP_INPUT)
-      continue;
-    int64_t n = shape_numel(nd->shape);
-    int32_t *ids = malloc(sizeof *ids * (size_t)n);
-    float *f = malloc(sizeof *f * (size_t)n);
-    batch(nd, ids, f);
-    bool i32 = nd->dtype == DT_I32;
-    if (it)
-      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    else
-      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    free(ids);
-    free(f);
-  }
-}
-
 // EMU_CHECKS at work: a kernel of 32 threads run by the emulator, compiled as the modules are, reads
 // a float4 at its aligned address and a shared array inside its bounds (mode 0: the sum of its
 // outputs, 944); at an address 4 bytes further (mode 1) it stops with "misaligned address", and
@@ -1227,31 +1179,13 @@ static double rel_l2(const double *a, const double *b, int64_t n) {
   return isnan(d) ? INFINITY : sqrt(d / r);
 }
 
-// max |a - b| / max |b|; a NaN on either side is an infinite error (fmax alone would drop it).
-static double rel_err(const double *a, const double *b, int64_t n) {
-  double d = 0, m = 1e-30;
-  for (int64_t i = 0; i < n; i++) {
-    double x = fabs(a[i] - b[i]);
-    d = fmax(d, isnan(x) ? INFINITY : x);
-    m = fmax(m, fabs(b[i]));
-  }
-  return d / m;
-}
-
-static double *from_float(const float *x, int64_t n) {
-  double *d = malloc(sizeof *d * (size_t)(n ? n : 1));
-  for (int64_t i = 0; i < n; i++)
-    d[i] = x[i];
-  return d;
-}
-
 // One step of the interpreter (fp32 values, bf16 at every CAST) on g from the emulation's
 // parameters, batch and scalars; *ok false with the reason in err when it fails.
 static Interp *interp_step(Graph *g, bool *ok, char *err, size_t n) {
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 7);
   interp_set_seed(it, 7);
-  set_inputs(g, it, NULL, NULL);
+  set_inputs_by(g, batch, it, NULL, NULL);
   interp_set_scalar(it, "lr", 2e-3);
   interp_set_scalar(it, "step", 1);
   *ok = interp_run(it, g->n, err, n);
@@ -1327,7 +1261,7 @@ static void test_emulation(const Model *md, bool fused, DType prec, const char *
 
   char *arena = arena_new_for(p);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, batch, NULL, m, arena);
   cpu_set_scalar(g, m, arena, "lr", 2e-3);
   cpu_set_scalar(g, m, arena, "step", 1);
   double **p0 = calloc((size_t)g->nparams, sizeof *p0);
@@ -1618,7 +1552,7 @@ static void test_attention_alone(const char *dir) {
     Interp *it = interp_step(g, &iok, err, sizeof err);
     char *arena = arena_new_for(p);
     cpu_init_params(g, m, arena, 7);
-    set_inputs(g, NULL, m, arena);
+    set_inputs_by(g, batch, NULL, m, arena);
     cpu_set_scalar(g, m, arena, "lr", 2e-3);
     cpu_set_scalar(g, m, arena, "step", 1);
     char *start = malloc((size_t)p->arena_bytes);
@@ -1977,12 +1911,12 @@ static void test_optimizers(const char *dir, bool nvrtc) {
     Interp *it = interp_new(g, INTERP_F32);
     interp_init_params(it, 7);
     interp_set_seed(it, 7);
-    set_inputs(g, it, NULL, NULL);
+    set_inputs_by(g, batch, it, NULL, NULL);
     interp_set_scalar(it, "lr", 2e-3);
     char *arena = ok ? arena_new_for(p) : NULL;
     if (arena) {
       cpu_init_params(g, m, arena, 7);
-      set_inputs(g, NULL, m, arena);
+      set_inputs_by(g, batch, NULL, m, arena);
       cpu_set_scalar(g, m, arena, "lr", 2e-3);
     }
     double **p0 = calloc((size_t)g->nparams, sizeof *p0);
@@ -2065,11 +1999,8 @@ static void test_optimizers(const char *dir, bool nvrtc) {
 
 int main(void) {
   char dir[] = "/tmp/mdl-cuda-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "cuda: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "cuda: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   test_sha256();
   test_plans();
   test_attention_kernels();

@@ -30,6 +30,7 @@
 #include "mdl.h"
 #include "emit_cuda.h"
 #include "test.h"
+#include "harness.h"
 
 #include <dlfcn.h>
 #include <math.h>
@@ -752,11 +753,8 @@ int main(void) {
     TEST_EXIT();
   }
   char dir[] = "/tmp/mdl-emu-XXXXXX", why[4096] = "";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "cuda emu: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "cuda emu: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   void *h = load(dir, why, sizeof why);
   CHECK(h != NULL, "cuda emu: the emulator, the prelude and the test kernels compile with g++ -Wall", "%.1500s", why);
   if (h) {

@@ -18,6 +18,7 @@
 #include "emit_cuda.h"
 #include "cuda.h"
 #include "test.h"
+#include "harness.h"
 
 #include <dlfcn.h>
 #include <float.h>
@@ -93,24 +94,6 @@ static const char kernels[] =
     "    }\n"
     "  }\n"
     "}\n";
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static uint32_t bits(float x) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  return u;
-}
-
-static float from_bits(uint32_t u) {
-  float x;
-  memcpy(&x, &u, 4);
-  return x;
-}
 
 // The value of a finite fp8 code by the format's definition.
 static double fp8_value(int c, const Format *f) {
@@ -597,11 +580,8 @@ static void test_gpu(const char *src) {
 
 int main(void) {
   char dir[] = "/tmp/mdl-fp8-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "fp8: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "fp8: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   // The host's conversions need no compiler: their definitions and hand-computed values always.
   label = "fp8 host";
   test_hand(host_encode);

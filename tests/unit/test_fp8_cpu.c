@@ -27,6 +27,7 @@
 #include "fp8_state.h"
 #include "runtime.h"
 #include "test.h"
+#include "harness.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -50,18 +51,10 @@ static void feed(Engine *e, const Graph *g) {
     const IrNode *nd = g->nodes[i];
     if (nd->op != OP_INPUT)
       continue;
-    int64_t n = shape_numel(nd->shape), cols = nd->shape.d[nd->shape.rank - 1];
+    int64_t n = shape_numel(nd->shape);
     int32_t *ids = malloc(sizeof *ids * (size_t)n);
     float *f = malloc(sizeof *f * (size_t)n);
-    for (int64_t j = 0; j < n; j++) {
-      int64_t t = j % cols, split = cols / 2;
-      ids[j] = !strcmp(nd->name, "tokens")    ? (int32_t)((j * 37 + 11) % 256)
-               : !strcmp(nd->name, "targets") ? (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 256))
-               : !strcmp(nd->name, "pos")     ? (int32_t)(t < split ? t : t - split)
-               : !strcmp(nd->name, "doc")     ? (t < split ? 0 : 1)
-                                              : 0;
-      f[j] = (float)sin(0.7 * (double)j + 0.3);
-    }
+    packed_batch(nd, ids, f);
     e->set_input(e, nd->name, nd->dtype == DT_I32 ? ids : NULL, nd->dtype == DT_I32 ? NULL : f, n);
     free(ids);
     free(f);
@@ -93,8 +86,6 @@ static float *read_all(Engine *e, int node) {
   e->read(e, node, x);
   return x;
 }
-
-static bool is_fp8(DType t) { return t == DT_F8E4M3 || t == DT_F8E5M2; }
 
 // The codes of every fp8 CAST: the C back end's (in its arena) against the interpreter's values.
 static void compare_codes(const Graph *g, Engine *ec, Engine *ei) {

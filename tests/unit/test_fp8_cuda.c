@@ -15,44 +15,13 @@
 #include "emit_cuda.h"
 #include "fp8_state.h"
 #include "test.h"
+#include "harness.h"
 #include "cuda_emu_host.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-static void batch(const IrNode *nd, int32_t *ids, float *f) {
-  int64_t n = shape_numel(nd->shape), cols = nd->shape.d[nd->shape.rank - 1];
-  for (int64_t j = 0; j < n; j++) {
-    int64_t t = j % cols, split = cols / 2;
-    ids[j] = !strcmp(nd->name, "tokens")    ? (int32_t)((j * 37 + 11) % 256)
-             : !strcmp(nd->name, "targets") ? (int32_t)((j * 53 + 7) % 256)
-             : !strcmp(nd->name, "pos")     ? (int32_t)(t < split ? t : t - split)
-             : !strcmp(nd->name, "doc")     ? (t < split ? 0 : 1)
-                                            : 0;
-    f[j] = (float)sin(0.7 * (double)j + 0.3);
-  }
-}
-
-static void set_inputs(const Graph *g, Interp *it, const MemPlan *m, char *arena) {
-  for (int i = 0; i < g->fwd_end; i++) {
-    const IrNode *nd = g->nodes[i];
-    if (nd->op != OP_INPUT)
-      continue;
-    int64_t n = shape_numel(nd->shape);
-    int32_t *ids = malloc(sizeof *ids * (size_t)n);
-    float *f = malloc(sizeof *f * (size_t)n);
-    batch(nd, ids, f);
-    bool i32 = nd->dtype == DT_I32;
-    if (it)
-      interp_set_input(it, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    else
-      cpu_set_input(g, m, arena, nd->name, i32 ? ids : NULL, i32 ? NULL : f, n);
-    free(ids);
-    free(f);
-  }
-}
 
 // Launches of steps [first, last] (last -1: to the end).
 static void run(const CudaPlan *p, const Emu *emu, char *arena, MdlStatus *st, int first, int last) {
@@ -93,11 +62,8 @@ static double l2(const float *a, const double *b, int64_t n) {
 
 int main(void) {
   char dir[] = "/tmp/mdl-fp8cuda-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "fp8 cuda: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "fp8 cuda: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   Arena *a = arena_new();
   DimOverride ov[] = {{"B", 2}, {"T", 16}};
   Graph *g = mdl_compile_file(a, "models/gpt2-tiny.mdl", ov, 2);
@@ -156,7 +122,7 @@ int main(void) {
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 7);
   interp_set_seed(it, 7);
-  set_inputs(g, it, NULL, NULL);
+  set_inputs_by(g, packed_batch, it, NULL, NULL);
   interp_set_scalar(it, "lr", 2e-3);
   interp_set_scalar(it, "step", 1);
   char err[256];
@@ -167,7 +133,7 @@ int main(void) {
   char *arena = aligned_alloc(256, bytes);
   memset(arena, 0, bytes);
   cpu_init_params(g, m, arena, 7);
-  set_inputs(g, NULL, m, arena);
+  set_inputs_by(g, packed_batch, NULL, m, arena);
   cpu_set_scalar(g, m, arena, "lr", 2e-3);
   cpu_set_scalar(g, m, arena, "step", 1);
   float *scale = (float *)(arena + p->fp8);

@@ -3,6 +3,7 @@
 // construct to IR nodes, and error counts (the exact messages are tests/errors/'s business).
 #include "mdl.h"
 #include "test.h"
+#include "harness.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -80,13 +81,6 @@ static bool zero_from(const IrNode *n, int k) {
     if (n->ia[k] != 0)
       return false;
   return true;
-}
-
-static int count_op(const Graph *g, Op op) {
-  int c = 0;
-  for (int i = 0; i < g->n; i++)
-    c += g->nodes[i]->op == op;
-  return c;
 }
 
 static int64_t dim(const Graph *g, const char *name) {

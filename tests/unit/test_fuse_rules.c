@@ -25,8 +25,8 @@
 #include "backend.h"
 #include "emit_c.h"
 #include "test.h"
+#include "harness.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,13 +78,6 @@ static bool dump_says(const char *dump, int a, int b, const char *why) {
 static void pattern(float *x, int64_t n, int salt) {
   for (int64_t i = 0; i < n; i++)
     x[i] = (float)sin(0.37 * (double)i + 0.9 * salt + 0.2);
-}
-
-static double bf16_value(uint16_t h) {
-  uint32_t bits = (uint32_t)h << 16;
-  float x;
-  memcpy(&x, &bits, sizeof x);
-  return x;
 }
 
 // Compiles f for the CPU and runs its step; runs the interpreter on the same inputs and initial
@@ -529,22 +522,6 @@ static void loss_gradient_cycle(void) {
   arena_free(a);
 }
 
-// Removes the test's cache directory and everything in it.
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *ent;
-  while (d && (ent = readdir(d))) {
-    if (!strcmp(ent->d_name, ".") || !strcmp(ent->d_name, ".."))
-      continue;
-    char path[1024];
-    snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
-    unlink(path);
-  }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
-
 // Outs: a named output of a graph without a backward is written to memory, whoever else reads it.
 // gpt2-tiny's forward-only graph in bf16 (as `mdlc lab`'s leak check and evaluation read it): the
 // logits' RESHAPE is read by the loss's CAST inside the loss's kernel alone, so without the rule it
@@ -614,11 +591,8 @@ static void named_outputs_written(void) {
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0); // the lines printed before a crash are kept
   char dir[] = "/tmp/mdl-cache-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "fuse rules: a cache directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "fuse rules: a cache directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   epilogue_broadcast();
   epilogue_iteration_space();
   chain_reads_reduced();

@@ -24,9 +24,9 @@
 #include "emit_c.h"
 #include "emit_cuda.h"
 #include "test.h"
+#include "harness.h"
 #include "cuda_emu_host.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -125,7 +125,7 @@ typedef struct {
 } Result;
 
 // max |got - want| / max |want| (the difference itself when want is all zeros); a NaN is infinite.
-static double rel_err(const double *got, const double *want, int n) {
+static double rel_or_abs_err(const double *got, const double *want, int n) {
   double d = 0, m = 0;
   for (int i = 0; i < n; i++) {
     double e = fabs(got[i] - want[i]);
@@ -154,7 +154,7 @@ static void compare(const char *label, const Batch *b, const Result *r, bool gra
         "%.9g)", r->loss, b->loss, el, b->loss * (double)b->counted / (double)b->n);
   if (!grads)
     return;
-  double es = rel_err(r->ds, b->ds, C), ew = rel_err(r->dw, b->dw, C * V);
+  double es = rel_or_abs_err(r->ds, b->ds, C), ew = rel_or_abs_err(r->dw, b->dw, C * V);
   snprintf(name, sizeof name, "%s: the gradients of s and w within %g (%.1e, %.1e)", label, tol, es, ew);
   CHECK(es < tol && ew < tol, name, "ds %.3g, dw %.3g", es, ew);
 }
@@ -227,9 +227,7 @@ static void keep(const Graph *g, const MemPlan *m, char *arena, Result *r) {
 
 static bool run_cpu(const Graph *g, const Fusion *f, const MemPlan *m, const Batch *b, Result *r, char *why,
                     size_t n) {
-  char *src = emit_c(f, m, "counted.mdl");
-  snprintf(why, n, "emit_c failed");
-  CpuModule *cm = src ? cpu_load(src, why, n) : NULL;
+  CpuModule *cm = cpu_module(f, m, "counted.mdl", why, n);
   if (!cm)
     return false;
   char *arena = cpu_arena_new(m);
@@ -333,28 +331,10 @@ static void compiled_case(const char *label, const Batch *b, const char *dir, bo
   }
 }
 
-static void remove_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  struct dirent *ent;
-  char path[1200];
-  while (d && (ent = readdir(d)))
-    if (strcmp(ent->d_name, ".") && strcmp(ent->d_name, "..")) {
-      snprintf(path, sizeof path, "%s/%s", dir, ent->d_name);
-      if (unlink(path))
-        remove_dir(path);
-    }
-  if (d)
-    closedir(d);
-  rmdir(dir);
-}
-
 int main(void) {
   char dir[] = "/tmp/mdl-loss-XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK(false, "loss: a temporary directory", "mkdtemp failed");
+  if (!cache_dir_make(dir, "loss: a temporary directory"))
     TEST_EXIT();
-  }
-  setenv("MDL_CACHE", dir, 1);
   const char *emu = dir;
   if (system("g++ --version >/dev/null 2>&1") != 0) {
     printf("[skip] loss CUDA (emulated): no g++\n");

@@ -19,23 +19,11 @@
 //     bring the loss down as fp32 does (final losses within 5% of each other, both < 40% of start).
 #include "mdl.h"
 #include "test.h"
+#include "harness.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-static float from_bits(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static uint32_t bits(double x) {
-  float f = (float)x;
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
 
 // x rounded to 8 significant bits, ties to even, from the float's exact value (not its bits).
 static double ref_bf16(float x) {
@@ -88,7 +76,7 @@ static void test_rounding(void) {
         first);
 }
 
-static Graph *training_graph(Arena *a, const char *path, const DimOverride *ov, int nov) {
+static Graph *training_graph_or_exit(Arena *a, const char *path, const DimOverride *ov, int nov) {
   Graph *g = mdl_compile_file(a, path, ov, nov);
   if (!g || !autodiff(g, true)) {
     printf("[fail] %s: front end or autodiff failed\n", path);
@@ -99,7 +87,7 @@ static Graph *training_graph(Arena *a, const char *path, const DimOverride *ov, 
 
 static void test_structure(const char *path, const DimOverride *ov, int nov) {
   Arena *a = arena_new(), *b = arena_new();
-  Graph *g = training_graph(a, path, ov, nov), *before = training_graph(b, path, ov, nov);
+  Graph *g = training_graph_or_exit(a, path, ov, nov), *before = training_graph_or_exit(b, path, ov, nov);
   char why[256], name[256];
   // The distinct GEMM operands, attention inputs (q, k, v; of a SLICE, what it slices: the whole qkv
   // value is rounded once and the slice becomes a bf16 view of that) and attention backward douts
@@ -246,7 +234,7 @@ static void test_structure(const char *path, const DimOverride *ov, int nov) {
 // joined kernels are counted, so the test fails if the rule stops firing.
 static void test_fusion(const char *path, const DimOverride *ov, int nov, int want_joined) {
   Arena *a = arena_new();
-  Graph *g = training_graph(a, path, ov, nov);
+  Graph *g = training_graph_or_exit(a, path, ov, nov);
   char why[256], name[256];
   if (!precision_assign(g, DT_BF16, why, sizeof why)) {
     printf("[fail] precision: %s: %s\n", path, why);
@@ -367,18 +355,10 @@ static void set_batch(const Graph *g, Interp *it) {
     const IrNode *nd = g->nodes[i];
     if (nd->op != OP_INPUT)
       continue;
-    int64_t n = shape_numel(nd->shape), cols = nd->shape.d[nd->shape.rank - 1];
+    int64_t n = shape_numel(nd->shape);
     int32_t *ids = malloc(sizeof *ids * (size_t)n);
     float *f = malloc(sizeof *f * (size_t)n);
-    for (int64_t j = 0; j < n; j++) {
-      int64_t t = j % cols, split = cols / 2;
-      ids[j] = !strcmp(nd->name, "tokens")    ? (int32_t)((j * 37 + 11) % 256)
-               : !strcmp(nd->name, "targets") ? (int32_t)((j * 53 + 7) % (nd->shape.rank == 1 ? 4 : 256))
-               : !strcmp(nd->name, "pos")     ? (int32_t)(t < split ? t : t - split)
-               : !strcmp(nd->name, "doc")     ? (t < split ? 0 : 1)
-                                              : 0;
-      f[j] = (float)sin(0.7 * (double)j + 0.3);
-    }
+    packed_batch(nd, ids, f);
     interp_set_input(it, nd->name, nd->dtype == DT_I32 ? ids : NULL, nd->dtype == DT_I32 ? NULL : f, n);
     free(ids);
     free(f);
@@ -416,7 +396,7 @@ static bool train(Graph *g, int steps, double *losses, bool check_casts, int *no
 // gpt2-tiny's training graph at B=2, T=16 after the bf16 precision pass, or NULL after a [fail] line.
 static Graph *tiny_bf16(Arena *a) {
   DimOverride ov[] = {{"B", 2}, {"T", 16}};
-  Graph *g = training_graph(a, "models/gpt2-tiny.mdl", ov, 2);
+  Graph *g = training_graph_or_exit(a, "models/gpt2-tiny.mdl", ov, 2);
   char why[256];
   if (!precision_assign(g, DT_BF16, why, sizeof why)) {
     printf("[fail] precision: %s\n", why);
@@ -481,7 +461,8 @@ static void test_loss_rounding(void) {
 static void test_interp(void) {
   DimOverride ov[] = {{"B", 2}, {"T", 16}};
   Arena *a = arena_new();
-  Graph *g32 = training_graph(a, "models/gpt2-tiny.mdl", ov, 2), *g16 = training_graph(a, "models/gpt2-tiny.mdl", ov, 2);
+  Graph *g32 = training_graph_or_exit(a, "models/gpt2-tiny.mdl", ov, 2);
+  Graph *g16 = training_graph_or_exit(a, "models/gpt2-tiny.mdl", ov, 2);
   char why[256];
   if (!precision_assign(g16, DT_BF16, why, sizeof why)) {
     printf("[fail] precision: %s\n", why);

@@ -22,6 +22,7 @@
 #include "mdl.h"
 #include "fp8_state.h"
 #include "test.h"
+#include "harness.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -45,8 +46,6 @@ static int strip(const Graph *g, int id) {
     id = g->nodes[id]->in[0];
   return id;
 }
-
-static bool is_fp8(DType t) { return t == DT_F8E4M3 || t == DT_F8E5M2; }
 
 // The parameter a forward GEMM reads (its operand's CAST's source, through views), or NULL.
 static const char *weight_of(const Graph *g, const IrNode *mm) {

@@ -11,35 +11,11 @@
 #include "emit_common.h"
 #include "emit_cuda.h"
 #include "test.h"
+#include "harness.h"
 
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-// src compiles with the command cc (its %s: the source's path) without a warning; else the compiler's first
-// error is in why.
-static bool compiles_clean(const char *cc, const char *src, char *why, size_t n) {
-  char path[] = "/tmp/mdl-prelude-XXXXXX.c", log[] = "/tmp/mdl-prelude-XXXXXX.log", cmd[1024], run[1200];
-  int fd = mkstemps(path, 2), lfd = mkstemps(log, 4);
-  if (fd < 0 || lfd < 0)
-    return false;
-  close(lfd);
-  FILE *f = fdopen(fd, "w");
-  fputs(src, f);
-  fclose(f);
-  snprintf(cmd, sizeof cmd, cc, path);
-  snprintf(run, sizeof run, "%s >%s 2>&1", cmd, log);
-  int rc = system(run);
-  snprintf(why, n, "?");
-  f = fopen(log, "r");
-  while (f && fgets(why, (int)n, f) && !strstr(why, "error"))
-    ;
-  if (f)
-    fclose(f);
-  unlink(path);
-  unlink(log);
-  return rc == 0;
-}
 
 static bool c_compiles_clean(const char *src, char *why, size_t n) {
   return compiles_clean("cc -std=c11 -fopenmp -fsyntax-only -Wall -Wextra -Werror -x c %s", src, why, n);
