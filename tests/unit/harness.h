@@ -17,6 +17,7 @@
 
 #include "mdl.h"
 #include "backend.h"
+#include "emit_c.h"
 #include "test.h"
 
 // A model the tests compile: a file, or the text of one (path then only names it), with up to three
