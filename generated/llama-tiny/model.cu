@@ -7,7 +7,7 @@
 // and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of
 // its buffers).
 
-// Types (LP64, as on the Linux hosts NVRTC runs on: long is 64 bits).
+// The CUDA modules' types (LP64, as on the Linux hosts NVRTC runs on: long is 64 bits) and constants.
 typedef long int64_t;
 typedef unsigned long uint64_t;
 typedef int int32_t;
@@ -29,8 +29,9 @@ typedef unsigned short uint16_t;
 #define MDL_ERR_EMBED_ID 1 // MdlStatus.code: an id outside the embedding table
 #define MDL_ERR_TARGET 2   // a cross-entropy target >= the number of classes
 
-// The kernels' arguments (runtime/emit_cuda.h holds the same layouts): the status a bad id or
-// target is reported in, and the byte offsets of the buffers a kernel uses.
+// The kernels' arguments, as the CUDA modules and compiler/emit/emit_cuda.h (which includes this file)
+// see them: the status a bad id or target is reported in, and the byte offsets of the buffers a kernel
+// uses.
 typedef struct {
   unsigned long long set;
   long long code, value, limit;
@@ -39,6 +40,9 @@ typedef struct {
 typedef struct {
   int64_t b[48];
 } MdlArgs;
+
+// The CUDA modules' common helpers: the optimizer's segments and update rule, error reports, random
+// numbers, activations, softmax and cross-entropy terms, bf16, loads and stores of 4 or 8 values.
 
 // A segment of the optimizer's flat buffers: byte offsets of p, g, m, v (0 where the rule keeps
 // fewer moments) and of p's bf16 copy (-1: none), its length, where it starts in the concatenation of
@@ -163,8 +167,8 @@ __device__ __forceinline__ void mdl_store8(float *p, const float f[8]) {
   mdl_store4(p + 4, f + 4);
 }
 
-// One parameter element's update in double, as the interpreter does it (compiler/interp.c has the
-// rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion, 3 Muon) keeping NST moments: gradient g scaled by
+// One parameter element's update in double, as the interpreter does it (runtime/engine/interp.c has
+// the rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion, 3 Muon) keeping NST moments: gradient g scaled by
 // the clip factor sc, the moments updated in place (rounded to f32), the new parameter returned; lr
 // is h.lr times the segment's lr_scale. SGD reads beta1 as its momentum and beta2 != 0 as Nesterov's;
 // Muon beta1 as its momentum, and v is its orthogonalised update (read, not written).
@@ -196,6 +200,8 @@ __device__ __forceinline__ float mdl_opt_rule(const MdlAdamW &h, double wd, doub
   }
 }
 
+// Tensor cores (mma.sync), ldmatrix and cp.async, and the bf16 pairs their fragments hold.
+
 // Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the
 // elements of an mma fragment). On the GPU one cvt.rn.bf16x2.f32 (its second source is the low
 // half), which rounds as mdl_f32_to_bf16 does but may give a NaN other bits.
@@ -219,7 +225,7 @@ __device__ __forceinline__ uint32_t mdl_bf16x2(float lo, float hi) {
 //   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]
 // So the accumulators of two adjacent tiles (columns 0-7, then 8-15), rounded and packed in pairs, are
 // the A fragment of one k16 step: a[0], a[1] from the first's (d[0], d[1]), (d[2], d[3]); a[2], a[3]
-// from the second's. The CUDA emulator (runtime/cuda_emu.h) has its own definition.
+// from the second's. The CUDA emulator (tests/unit/cuda_emu.h) has its own definition.
 #if defined(__CUDA_ARCH__)
 __device__ __forceinline__ void mdl_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
@@ -364,6 +370,8 @@ __device__ __forceinline__ float mdl_cast_e5m2(float x, const float *scale, unsi
   return mdl_e5m2_to_f32(mdl_f32_to_e5m2(mdl_fp8_note(x, scale, amax)));
 }
 
+// Reductions over a warp and over a block.
+
 // The larger of a and b where a NaN wins (max reductions, as interp.c).
 __device__ __forceinline__ float mdl_max_nan(float a, float b) {
   return (b > a || isnan(b)) ? (isnan(a) ? a : b) : a;
@@ -456,9 +464,9 @@ __device__ __forceinline__ float mdl_block_max_nan(float v, float *sh) {
 
 //
 // Tensor-core attention, FlashAttention-2 style: the forward, and the backward's dq and dk, dv, as
-// templates that compiler/emit_cuda_attn.c instantiates with the shapes it chose (its kernels are
-// wrappers that pass their buffers). Every row's sums are taken in the same order over the same tiles
-// at either block size, so the two variants of a kernel give the same values to the bit.
+// templates that compiler/emit/emit_cuda_attn.c instantiates with the shapes it chose (its kernels
+// are wrappers that pass their buffers). Every row's sums are taken in the same order over the same
+// tiles at either block size, so the two variants of a kernel give the same values to the bit.
 //
 
 #define MDL_ATT_TILE 64 // rows of the tiles a block stages in turn (keys and values, or queries and dout)
@@ -1133,8 +1141,8 @@ __device__ __forceinline__ void mdl_att_dkv(const Q &q, const K &k, const V &v, 
 }
 
 //
-// Cross-entropy, a row at a time, as the CUDA emitter instantiates it (compiler/emit_cuda_lmhead.c: the
-// cross-entropy kernels and the LM head's, which take their rows from the logits GEMM's chunk).
+// Cross-entropy, a row at a time, as the CUDA emitter instantiates it (compiler/emit/emit_cuda_lmhead.c:
+// the cross-entropy kernels and the LM head's, which take their rows from the logits GEMM's chunk).
 //
 
 // Four or eight values as f32 from p (aligned to the load), and their store (to bf16: rounded).
@@ -1269,7 +1277,7 @@ __device__ __forceinline__ void mdl_ce_row(const X *x, DX *dx, int32_t tg, float
 
 //
 // The optimizer over the concatenation of its parameters' segments (MdlSeg tables), in chunks of CHUNK
-// values a block, as compiler/emit_cuda_opt.c instantiates it: the gradient norm's sums of squares
+// values a block, as compiler/emit/emit_cuda_opt.c instantiates it: the gradient norm's sums of squares
 // and their total, and the update (AdamW, SGD or Lion).
 //
 

@@ -3,6 +3,7 @@
 // (parameters, gradients and AdamW moments at 0, 6976, 13952 and 20928, 6976 bytes each).
 // Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC (or each part with -c
 // -DMDL_PART=p, the objects then linked with -shared: runtime/cpu.c does so and loads it).
+// The C library a module of the C back end uses: it includes nothing else.
 #define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11
 #include <math.h>
 #include <stdbool.h>
@@ -12,24 +13,32 @@
 #include <string.h>
 #include <sys/mman.h>
 
-// The runtime's hooks and the kernel table (runtime/backend.h holds the same typedefs).
+// The module ABI: the runtime's hooks and the kernel table, one text for both sides (the runtime
+// includes runtime/kernels/abi.h: runtime/engine/backend.h).
 typedef struct {
   // row-major C = op(A) op(B) + beta C, op = transpose when ta / tb
+  // (single-threaded: the module splits a GEMM's rows over its own threads)
   void (*sgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                 const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
-  // the same with bf16 operands; NULL where the library has none faster than sgemm
+  // the same with bf16 operands (f32 products and sums, f32 C); NULL where the library has no bf16
+  // GEMM faster than sgemm, and the module widens bf16 operands for sgemm instead
   void (*bgemm)(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                 const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
-  int nthreads;  // OpenMP threads per parallel loop
-  int gemm_blocks; // row blocks of a large GEMM, whatever nthreads is
+  int nthreads;  // OpenMP threads per parallel loop and per GEMM
+  // Row blocks of a large GEMM: the default thread count when the module was loaded, kept when
+  // nthreads changes, so that no result depends on the thread count (mdl_gemm in prelude.h).
+  int gemm_blocks;
   uint64_t seed; // the run's seed: dropout masks
   void *ctx;     // passed back to error
   void (*error)(void *ctx, const char *what, int64_t value, int64_t limit); // an id or target out of range
   // ZeRO stage 1: the optimizer updates only the parameters at arena bytes [own_lo, own_end); every
   // one where own_end is 0
   int64_t own_lo, own_end;
-  const float *fp8_scale; // precision fp8: per scaled tensor its scale this step
-  float *fp8_amax;        // and per thread and tensor the largest |x| its casts saw
+  // precision fp8 (else NULL, 0): per scaled tensor its scale this step; per thread (omp_get_thread_num,
+  // fewer than fp8_threads) and tensor the largest |x| its casts saw (fp8_amax[thread * nfp8 + tensor],
+  // NaN once one was NaN), which the runtime gathers and clears
+  const float *fp8_scale;
+  float *fp8_amax;
   int nfp8, fp8_threads;
 } MdlHooks;
 
@@ -38,10 +47,13 @@ typedef struct {
   void (*fn)(char *arena, const MdlHooks *h);
 } MdlKernel;
 
+// The helpers of the C back end's modules: how a module compiles in parts, random numbers, exp and
+// the activations, scratch memory, GEMMs through the runtime's hooks, sums of squares.
+//
 // A module compiles whole, or in parts: each part with -DMDL_PART=p (0 <= p < MDL_NPARTS) into an
-// object of its own, the objects then linked into one shared object (runtime/cpu.c compiles the parts
-// side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is static in a
-// whole compile and, in parts, visible to the other parts but not outside the module.
+// object of its own, the objects then linked into one shared object (runtime/engine/cpu.c compiles
+// the parts side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is
+// static in a whole compile and, in parts, visible to the other parts but not outside the module.
 //
 // Every kernel is noipa: its caller assumes nothing of its body. GCC 12.2 (x86-64, -O2 and -O3,
 // AVX2 or AVX-512BW) otherwise drops calls to kernels that write: where IVOPTs rewrites a loop's
@@ -126,8 +138,8 @@ static inline float mdl_gelu_grad(float x) {
 
 static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }
 
-// x within [lo, hi] (a NaN stays NaN); MDL_INF and MDL_NAN, as prelude.cuh's, for literals that are not
-// finite (emit_common.c: ec_flit).
+// x within [lo, hi] (a NaN stays NaN); MDL_INF and MDL_NAN, as cuda_base.cuh's, for literals that are
+// not finite (emit_common.c: ec_flit).
 #define MDL_INF INFINITY
 #define MDL_NAN NAN
 static inline float mdl_clamp(float x, float lo, float hi) { return x < lo ? lo : x > hi ? hi : x; }

@@ -8,14 +8,6 @@
 //   void mdl_step(char *arena, const MdlHooks *h);   // one whole training step
 //   const MdlKernel mdl_kernels[]; const int mdl_nkernels; // the same step, kernel by kernel
 //   const int64_t mdl_arena_bytes;                    // the arena size it was planned for
-// More of the hooks than abi.h's comments say: sgemm runs single-threaded (the module splits a GEMM's
-// rows over its own threads); bgemm takes f32 products and sums into an f32 C, and is NULL where the
-// library has no bf16 GEMM faster than sgemm, the module then widening bf16 operands for sgemm;
-// nthreads is also the threads per GEMM; gemm_blocks is the default thread count when the module
-// was loaded, kept when nthreads changes, so that no result depends on the thread count (mdl_gemm in
-// prelude.h); fp8_scale and fp8_amax are NULL, 0 but under precision fp8, and a cast's thread
-// (omp_get_thread_num, fewer than fp8_threads) notes tensor t's |x| at fp8_amax[thread * nfp8 + t]
-// (NaN once one was NaN), which the runtime gathers and clears.
 #ifndef MDL_BACKEND_H
 #define MDL_BACKEND_H
 #include "mdl.h"

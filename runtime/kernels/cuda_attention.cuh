@@ -1,8 +1,8 @@
 //
 // Tensor-core attention, FlashAttention-2 style: the forward, and the backward's dq and dk, dv, as
-// templates that compiler/emit_cuda_attn.c instantiates with the shapes it chose (its kernels are
-// wrappers that pass their buffers). Every row's sums are taken in the same order over the same tiles
-// at either block size, so the two variants of a kernel give the same values to the bit.
+// templates that compiler/emit/emit_cuda_attn.c instantiates with the shapes it chose (its kernels
+// are wrappers that pass their buffers). Every row's sums are taken in the same order over the same
+// tiles at either block size, so the two variants of a kernel give the same values to the bit.
 //
 
 #define MDL_ATT_TILE 64 // rows of the tiles a block stages in turn (keys and values, or queries and dout)

@@ -1,4 +1,4 @@
-// Types (LP64, as on the Linux hosts NVRTC runs on: long is 64 bits).
+// The CUDA modules' types (LP64, as on the Linux hosts NVRTC runs on: long is 64 bits) and constants.
 typedef long int64_t;
 typedef unsigned long uint64_t;
 typedef int int32_t;

@@ -1,6 +1,6 @@
 //
-// Cross-entropy, a row at a time, as the CUDA emitter instantiates it (compiler/emit_cuda_lmhead.c: the
-// cross-entropy kernels and the LM head's, which take their rows from the logits GEMM's chunk).
+// Cross-entropy, a row at a time, as the CUDA emitter instantiates it (compiler/emit/emit_cuda_lmhead.c:
+// the cross-entropy kernels and the LM head's, which take their rows from the logits GEMM's chunk).
 //
 
 // Four or eight values as f32 from p (aligned to the load), and their store (to bf16: rounded).

@@ -1,3 +1,6 @@
+// The CUDA modules' common helpers: the optimizer's segments and update rule, error reports, random
+// numbers, activations, softmax and cross-entropy terms, bf16, loads and stores of 4 or 8 values.
+
 // A segment of the optimizer's flat buffers: byte offsets of p, g, m, v (0 where the rule keeps
 // fewer moments) and of p's bf16 copy (-1: none), its length, where it starts in the concatenation of
 // the segments, its weight decay and its multiplier of lr (lr_scale).
@@ -121,8 +124,8 @@ __device__ __forceinline__ void mdl_store8(float *p, const float f[8]) {
   mdl_store4(p + 4, f + 4);
 }
 
-// One parameter element's update in double, as the interpreter does it (compiler/interp.c has the
-// rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion, 3 Muon) keeping NST moments: gradient g scaled by
+// One parameter element's update in double, as the interpreter does it (runtime/engine/interp.c has
+// the rules), by RULE (OptRule: 0 AdamW, 1 SGD, 2 Lion, 3 Muon) keeping NST moments: gradient g scaled by
 // the clip factor sc, the moments updated in place (rounded to f32), the new parameter returned; lr
 // is h.lr times the segment's lr_scale. SGD reads beta1 as its momentum and beta2 != 0 as Nesterov's;
 // Muon beta1 as its momentum, and v is its orthogonalised update (read, not written).

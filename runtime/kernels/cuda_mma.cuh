@@ -1,3 +1,5 @@
+// Tensor cores (mma.sync), ldmatrix and cp.async, and the bf16 pairs their fragments hold.
+
 // Two floats rounded to bf16 and packed into one register, lo in the low half (the order of the
 // elements of an mma fragment). On the GPU one cvt.rn.bf16x2.f32 (its second source is the low
 // half), which rounds as mdl_f32_to_bf16 does but may give a NaN other bits.
@@ -21,7 +23,7 @@ __device__ __forceinline__ uint32_t mdl_bf16x2(float lo, float hi) {
 //   d[0], d[1] = D[g][2t], D[g][2t+1]    d[2], d[3] = D[g+8][2t], D[g+8][2t+1]
 // So the accumulators of two adjacent tiles (columns 0-7, then 8-15), rounded and packed in pairs, are
 // the A fragment of one k16 step: a[0], a[1] from the first's (d[0], d[1]), (d[2], d[3]); a[2], a[3]
-// from the second's. The CUDA emulator (runtime/cuda_emu.h) has its own definition.
+// from the second's. The CUDA emulator (tests/unit/cuda_emu.h) has its own definition.
 #if defined(__CUDA_ARCH__)
 __device__ __forceinline__ void mdl_mma_bf16_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "

@@ -1,6 +1,6 @@
 //
 // The optimizer over the concatenation of its parameters' segments (MdlSeg tables), in chunks of CHUNK
-// values a block, as compiler/emit_cuda_opt.c instantiates it: the gradient norm's sums of squares
+// values a block, as compiler/emit/emit_cuda_opt.c instantiates it: the gradient norm's sums of squares
 // and their total, and the update (AdamW, SGD or Lion).
 //
 

@@ -1,3 +1,5 @@
+// Reductions over a warp and over a block.
+
 // The larger of a and b where a NaN wins (max reductions, as interp.c).
 __device__ __forceinline__ float mdl_max_nan(float a, float b) {
   return (b > a || isnan(b)) ? (isnan(a) ? a : b) : a;

@@ -1,7 +1,10 @@
+// The helpers of the C back end's modules: how a module compiles in parts, random numbers, exp and
+// the activations, scratch memory, GEMMs through the runtime's hooks, sums of squares.
+//
 // A module compiles whole, or in parts: each part with -DMDL_PART=p (0 <= p < MDL_NPARTS) into an
-// object of its own, the objects then linked into one shared object (runtime/cpu.c compiles the parts
-// side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is static in a
-// whole compile and, in parts, visible to the other parts but not outside the module.
+// object of its own, the objects then linked into one shared object (runtime/engine/cpu.c compiles
+// the parts side by side). MDL_IN(p) says whether this compile holds part p's code; a kernel is
+// static in a whole compile and, in parts, visible to the other parts but not outside the module.
 //
 // Every kernel is noipa: its caller assumes nothing of its body. GCC 12.2 (x86-64, -O2 and -O3,
 // AVX2 or AVX-512BW) otherwise drops calls to kernels that write: where IVOPTs rewrites a loop's
@@ -86,8 +89,8 @@ static inline float mdl_gelu_grad(float x) {
 
 static inline float mdl_sigmoid(float x) { return 1.0f / (1.0f + mdl_exp_fast(-x)); }
 
-// x within [lo, hi] (a NaN stays NaN); MDL_INF and MDL_NAN, as prelude.cuh's, for literals that are not
-// finite (emit_common.c: ec_flit).
+// x within [lo, hi] (a NaN stays NaN); MDL_INF and MDL_NAN, as cuda_base.cuh's, for literals that are
+// not finite (emit_common.c: ec_flit).
 #define MDL_INF INFINITY
 #define MDL_NAN NAN
 static inline float mdl_clamp(float x, float lo, float hi) { return x < lo ? lo : x > hi ? hi : x; }

@@ -1,5 +1,5 @@
 
-// fp8 <-> f32 on the host, bit for bit the device's (prelude.cuh): the two OCP formats of Hopper's
+// fp8 <-> f32 on the host, bit for bit the device's (cuda_fp8.cuh): the two OCP formats of Hopper's
 // tensor cores, E4M3 (bias 7, no infinity, S.1111.111 is NaN, largest 448) and E5M2 (bias 15,
 // IEEE-like, largest 57344). To fp8: round to nearest, ties to even, subnormals exact, -0 kept;
 // beyond the largest finite value (infinity too) saturate to it with the sign (PTX's

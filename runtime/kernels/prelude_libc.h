@@ -1,3 +1,4 @@
+// The C library a module of the C back end uses: it includes nothing else.
 #define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11
 #include <math.h>
 #include <stdbool.h>
