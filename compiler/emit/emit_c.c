@@ -426,7 +426,7 @@ char *emit_c(const Fusion *f, const MemPlan *m, const char *source_path) {
   ec_bput(&e.out, "// (parameters, gradients and AdamW moments at %lld, %lld, %lld and %lld, %lld bytes each).\n",
           (long long)m->params, (long long)m->grads, (long long)m->m, (long long)m->v, (long long)m->param_bytes);
   ec_bput(&e.out, "// Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC (or each part with -c\n"
-                  "// -DMDL_PART=p, the objects then linked with -shared: runtime/cpu.c does so and loads it).\n");
+                  "// -DMDL_PART=p, the objects then linked with -shared: runtime/engine/cpu.c does so and loads it).\n");
   ec_bput(&e.out, "%s", ec_prelude_c);
   bool bf16 = false;
   for (int i = 0; i < g->n; i++)

@@ -485,7 +485,7 @@ CudaPlan *emit_cuda_plan(const Fusion *f, const MemPlan *m, const char *source_p
           (long long)m->grads, (long long)m->m, (long long)m->v, (long long)m->param_bytes);
   ec_bput(&e.out, "//   step-local scratch from  %lld\n", (long long)scratch);
   ec_bput(&e.out,
-          "// NVRTC compiles this file; runtime/cuda.c runs the launches each step's comment lists (kernels,\n");
+          "// NVRTC compiles this file; runtime/engine/cuda.c runs the launches each step's comment lists (kernels,\n");
   ec_bput(&e.out,
           "// and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of\n");
   ec_bput(&e.out, "// its buffers).\n\n");

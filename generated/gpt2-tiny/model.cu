@@ -3,7 +3,7 @@
 //   the memory plan's part   5656768 bytes
 //   params, grads, m, v at   0, 498688, 997376, 1496064 (498688 bytes each)
 //   step-local scratch from  5656832
-// NVRTC compiles this file; runtime/cuda.c runs the launches each step's comment lists (kernels,
+// NVRTC compiles this file; runtime/engine/cuda.c runs the launches each step's comment lists (kernels,
 // and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of
 // its buffers).
 

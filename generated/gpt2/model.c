@@ -2,7 +2,7 @@
 // Model gpt2: one training step (forward, backward, AdamW) as 239 kernels over one arena of 5807381696 bytes
 // (parameters, gradients and AdamW moments at 0, 497759232, 995518464 and 1493277696, 497759232 bytes each).
 // Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC (or each part with -c
-// -DMDL_PART=p, the objects then linked with -shared: runtime/cpu.c does so and loads it).
+// -DMDL_PART=p, the objects then linked with -shared: runtime/engine/cpu.c does so and loads it).
 // The C library a module of the C back end uses: it includes nothing else.
 #define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11
 #include <math.h>

@@ -3,7 +3,7 @@
 //   the memory plan's part   5807381696 bytes
 //   params, grads, m, v at   0, 497759232, 995518464, 1493277696 (497759232 bytes each)
 //   step-local scratch from  5807381760
-// NVRTC compiles this file; runtime/cuda.c runs the launches each step's comment lists (kernels,
+// NVRTC compiles this file; runtime/engine/cuda.c runs the launches each step's comment lists (kernels,
 // and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of
 // its buffers).
 

@@ -3,7 +3,7 @@
 //   the memory plan's part   7089344 bytes
 //   params, grads, m, v at   0, 527616, 1055232, 1582848 (527616 bytes each)
 //   step-local scratch from  7089408
-// NVRTC compiles this file; runtime/cuda.c runs the launches each step's comment lists (kernels,
+// NVRTC compiles this file; runtime/engine/cuda.c runs the launches each step's comment lists (kernels,
 // and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of
 // its buffers).
 

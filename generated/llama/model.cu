@@ -3,7 +3,7 @@
 //   the memory plan's part   6884733120 bytes
 //   params, grads, m, v at   0, 498674688, 997349376, 1496024064 (498674688 bytes each)
 //   step-local scratch from  6884733184
-// NVRTC compiles this file; runtime/cuda.c runs the launches each step's comment lists (kernels,
+// NVRTC compiles this file; runtime/engine/cuda.c runs the launches each step's comment lists (kernels,
 // and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of
 // its buffers).
 

@@ -3,7 +3,7 @@
 //   the memory plan's part   48000 bytes
 //   params, grads, m, v at   0, 6976, 13952, 20928 (6976 bytes each)
 //   step-local scratch from  48128
-// NVRTC compiles this file; runtime/cuda.c runs the launches each step's comment lists (kernels,
+// NVRTC compiles this file; runtime/engine/cuda.c runs the launches each step's comment lists (kernels,
 // and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of
 // its buffers).
 

@@ -2,7 +2,7 @@
 // Model moe_tiny: one training step (forward, backward, AdamW) as 110 kernels over one arena of 8412736 bytes
 // (parameters, gradients and AdamW moments at 0, 766464, 1532928 and 2299392, 766464 bytes each).
 // Build: cc -O3 -march=native -fno-math-errno -fopenmp -shared -fPIC (or each part with -c
-// -DMDL_PART=p, the objects then linked with -shared: runtime/cpu.c does so and loads it).
+// -DMDL_PART=p, the objects then linked with -shared: runtime/engine/cpu.c does so and loads it).
 // The C library a module of the C back end uses: it includes nothing else.
 #define _DEFAULT_SOURCE // mmap's MAP_ANONYMOUS and madvise's MADV_HUGEPAGE under -std=c11
 #include <math.h>

@@ -3,7 +3,7 @@
 //   the memory plan's part   8412736 bytes
 //   params, grads, m, v at   0, 766464, 1532928, 2299392 (766464 bytes each)
 //   step-local scratch from  8412928
-// NVRTC compiles this file; runtime/cuda.c runs the launches each step's comment lists (kernels,
+// NVRTC compiles this file; runtime/engine/cuda.c runs the launches each step's comment lists (kernels,
 // and GEMMs through cuBLASLt), every kernel with (arena, status, seed, chunk, the byte offsets of
 // its buffers).
 
