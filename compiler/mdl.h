@@ -204,7 +204,7 @@ typedef struct {
   X(CROSS_ENTROPY, "cross_entropy") /* (logits [...,V], targets i32[...]) -> f32[...] */          \
   X(CROSS_ENTROPY_BWD, "cross_entropy_bwd") /* (logits, targets, dloss) -> dlogits */             \
   /* (targets i32[...]) -> f32 []: how many targets are counted (>= 0), at least 1; the divisor of  \
-     mean(cross_entropy(...)), so that the mean is over the counted targets (sema.c) */            \
+     mean(cross_entropy(...)), so that the mean is over the counted targets (sema_builtins.c) */   \
   X(TARGET_COUNT, "target_count")                                                                  \
   /* attention: q [B,T,H*D], k, v [B,S,KH*D]; optional doc i32[B,T]; ia[0] = heads H, ia[1] =    \
      causal, ia[2] = has doc input; fa[0] = scale; ia[5] = kv_heads KH (0: H; H % KH == 0, query   \
@@ -266,7 +266,7 @@ typedef struct {
   double std;  // INIT_NORMAL
   bool decay;  // weight decay applies (train section's no_decay patterns)
   bool frozen; // never updated, no gradient (train section's freeze patterns)
-  bool muon;   // a hidden matrix, updated by Muon when the optimizer is muon (sema.c says which)
+  bool muon;   // a hidden matrix, updated by Muon when the optimizer is muon (sema_train.c says which)
   double lr_scale; // its multiplier of the schedule's lr (train section's lr_scale); 0 stands for 1
 } ParamInit;
 

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// optimizer = muon: which params Muon updates and which AdamW (sema.c's set_muon), in one line.
+// optimizer = muon: which params Muon updates and which AdamW (sema_train.c's sema_set_muon), in one line.
 void print_muon_split(const Graph *g) {
   int nm = 0, na = 0;
   for (int i = 0; i < g->nparams; i++) {

@@ -20,16 +20,16 @@
 //   emit_cuda_kit.c     the CUDA target's toolkit: kernels and their buffers, its evaluator hooks,
 //                       elementwise kernels, row shapes
 //   emit_cuda_rows.c    its row and reduction kernels: sums, norms, softmax, embed, rope, masks
-//   emit_cuda_lmhead.c  its cross-entropy and LM head (the rows: prelude.cuh's mdl_ce_row)
-//   emit_cuda_attn.c    its attention, forward and backward (on tensor cores: prelude.cuh's mdl_att_fwd,
+//   emit_cuda_lmhead.c  its cross-entropy and LM head (the rows: cuda_ce.cuh's mdl_ce_row)
+//   emit_cuda_attn.c    its attention, forward and backward (on tensor cores: cuda_attention.cuh's mdl_att_fwd,
 //                       mdl_att_dq, mdl_att_dkv)
-//   emit_cuda_opt.c     its optimizer (prelude.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_update)
+//   emit_cuda_opt.c     its optimizer (cuda_opt.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_update)
 //   emit_cuda.c         the CUDA emitter, emit_cuda.h: its EmitTarget, GEMMs and epilogues, the module,
 //                       its steps and their launch plan (CudaPlan)
 //   emit_cuda_impl.h    what the emit_cuda*.c files share (names prefixed cu_)
-// and the preludes every emitted module starts with, in runtime/: prelude.h and prelude_bf16.h (C),
-// prelude.cuh (CUDA). The kernel families that are fixed code with parameters are templates there
-// (prelude.cuh: tensor-core attention, cross-entropy rows, the optimizer), which the emitters
+// and the preludes every emitted module starts with, in runtime/kernels/: prelude.h and prelude_bf16.h
+// (C), the cuda_*.cuh pieces (CUDA). The kernel families that are fixed code with parameters are
+// templates there (cuda_attention.cuh, cuda_ce.cuh, cuda_opt.cuh), which the emitters
 // instantiate with the shapes they choose: the emitter says what to launch, the prelude holds how.
 #ifndef EMIT_COMMON_H
 #define EMIT_COMMON_H

@@ -1,5 +1,5 @@
 // emit_cuda.c: the CUDA emitter. It turns the step plan (a Fusion and its MemPlan) into one CUDA C++
-// translation unit for NVRTC (a prelude of our own, runtime/kernels/prelude.cuh, no #include) and a schedule
+// translation unit for NVRTC (a prelude of our own, the pieces in runtime/kernels/, no #include) and a schedule
 // (CudaPlan): the kernel launches and cuBLASLt GEMMs of one training step, in order. This file holds
 // the module, its steps and their launch plan, and GEMMs with their epilogues; the kernel families are
 // in emit_cuda_rows.c, emit_cuda_lmhead.c, emit_cuda_attn.c and emit_cuda_opt.c, built with the
@@ -47,7 +47,7 @@
 //   - the LM head, chunk by chunk: GEMMs into chunks whose rows are padded to 64-aligned classes, and
 //     a cross-entropy kernel between them (cu_emit_lmhead).
 // The families of fixed code with parameters (the tensor-core attention kernels, cross-entropy rows,
-// the optimizer) are templates in runtime/kernels/prelude.cuh: their kernels here declare their buffers and
+// the optimizer) are templates in runtime/kernels/ (cuda_attention.cuh, cuda_ce.cuh, cuda_opt.cuh): their kernels here declare their buffers and
 // call an instance of the template at the shapes chosen (template arguments, so the compiler sees the
 // same constants it saw when the emitter printed them); what varies per model (elementwise chains,
 // epilogues, row kernels' fused inputs and outputs) is emitted.

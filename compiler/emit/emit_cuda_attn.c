@@ -1,5 +1,5 @@
 // emit_cuda_attn.c: the CUDA emitter's attention, forward and backward, on CUDA cores (kernels emitted
-// here) and on tensor cores (kernels that instantiate the templates of runtime/kernels/prelude.cuh with the
+// here) and on tensor cores (kernels that instantiate the templates of runtime/kernels/cuda_attention.cuh with the
 // shapes chosen here). See emit_cuda.c for the design.
 #include "mdl.h"
 #include "emit_common.h"
@@ -319,7 +319,7 @@ static void att_query_kernel(Emit *e, const Att *A, AttMode mode, int out, int64
 
 //
 // Attention on tensor cores: the kernels are the templates mdl_att_fwd, mdl_att_dq and mdl_att_dkv of
-// runtime/kernels/prelude.cuh; these say which shapes they run at and on which buffers.
+// runtime/kernels/cuda_attention.cuh; these say which shapes they run at and on which buffers.
 //
 
 // Shared memory of the tensor-core forward: the tile's keys and values as bf16, rows padded by 8
@@ -381,7 +381,7 @@ static void att_kbegin(Emit *e, const char *role, int warps, int variant_of) {
 }
 
 // The shape of a tensor-core kernel of `warps` warps whose staged tiles take `stages` buffers
-// (att_mma_stages), as the prelude's mdl_att_shape (runtime/kernels/prelude.cuh) takes it.
+// (att_mma_stages), as the prelude's mdl_att_shape (runtime/kernels/cuda_attention.cuh) takes it.
 static const char *att_mma_shape(Emit *e, const Att *A, int warps, int stages) {
   bool more = A->kvh != A->heads || A->ns != A->nt || A->window; // (the defaults are left out)
   const char *kv = more ? ec_str(&e->core, ", %lld, %lld, %lld", (long long)A->kvh, (long long)A->ns,

@@ -26,7 +26,7 @@ enum {
                         //   each kernel also has a variant of the other size (4 <-> 8), which the
                         //   runtime times against it on the device (see "Kernel variants")
   ATT_MMA_TILE = 64,    //   rows of the tiles a block stages in turn (keys and values, or queries and dout):
-                        //   prelude.cuh's MDL_ATT_TILE
+                        //   cuda_attention.cuh's MDL_ATT_TILE
   FILL_SM = -1,         // Emit.min_blocks: as many blocks as the SM's threads allow (MDL_SM_THREADS)
 };
 
@@ -193,21 +193,21 @@ void cu_emit_gather(EmitCore *core, int gi);
 void cu_emit_scatter(EmitCore *core, int gi);
 
 //
-// emit_cuda_lmhead.c (its kernels call prelude.cuh's mdl_ce_row)
+// emit_cuda_lmhead.c (its kernels call cuda_ce.cuh's mdl_ce_row)
 //
 
 void cu_emit_ce(EmitCore *core, int gi);
 void cu_emit_lmhead(EmitCore *core, int gi);
 
 //
-// emit_cuda_attn.c (its tensor-core kernels instantiate prelude.cuh's mdl_att_fwd, mdl_att_dq, mdl_att_dkv)
+// emit_cuda_attn.c (its tensor-core kernels instantiate cuda_attention.cuh's mdl_att_fwd, mdl_att_dq, mdl_att_dkv)
 //
 
 void cu_emit_attention(EmitCore *core, int gi);
 void cu_emit_attention_bwd(EmitCore *core, int gi);
 
 //
-// emit_cuda_opt.c (its kernels instantiate prelude.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_update)
+// emit_cuda_opt.c (its kernels instantiate cuda_opt.cuh's mdl_opt_sumsq, mdl_opt_norm, mdl_opt_update)
 //
 
 void cu_emit_optimizer(EmitCore *core, int gi);

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// One row of cross-entropy inside a row group: mdl_ce_row (runtime/kernels/prelude.cuh) on the logits row at
+// One row of cross-entropy inside a row group: mdl_ce_row (runtime/kernels/cuda_ce.cuh) on the logits row at
 // x (a pointer expression: its type says f32 or bf16), the target tg, the loss into loss (an element,
 // or NULL), dloss times (softmax - onehot) into the row at dx (NULL: none; may be x itself) with dloss
 // an element; vw logits a load (ce_width).

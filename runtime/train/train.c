@@ -28,7 +28,7 @@
 
 bool train_check_inputs(const Graph *g, const char *model_path, const char *data_dir, const char *out_dir, bool resume,
                         bool from_text, const char *weights) {
-  bool arrays = arrays_found(data_dir), ok = arrays || shards_fit(g, data_dir); // (arrays: main.c's arrays_check)
+  bool arrays = arrays_found(data_dir), ok = arrays || shards_fit(g, data_dir); // (arrays: the driver's arrays_check)
   for (int split = from_text; ok && !arrays && split < 2; split++) { // (batches from the text need no train shards)
     const char *name = split ? "val" : "train";
     char **paths;

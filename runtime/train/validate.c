@@ -114,7 +114,7 @@ int train_eval(Engine *eval, const TrainOptions *o) {
   else if (ok)
     printf("val loss %.4f (unigram entropy %.4f) over %lld validation batches of %lldx%lld\n", mean[0],
            unigram_entropy(o->data_dir, V), (long long)o->val_batches, (long long)B, (long long)T);
-  for (int i = 0; ok && i < g->noutputs; i++) // (the scalar outputs besides the loss: main.c's open_side_engine)
+  for (int i = 0; ok && i < g->noutputs; i++) // (the scalar outputs besides the loss: the driver's open_side_engine)
     printf("%s %.6g\n", g->nodes[g->outputs[i]]->name, mean[i + 1]);
   free(mean);
   loader_close(val);
