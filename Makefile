@@ -14,10 +14,10 @@ LIB_OBJ   := $(patsubst %.c,build/%.o,$(LIB_SRC)) build/mdl.tab.o build/lex.yy.o
 # the CUDA one by kernel family: types, the kernels' arguments (emit_cuda.h includes them too), common
 # helpers, tensor cores, fp8, reductions, attention, cross-entropy, the optimizer
 K         := runtime/kernels
-CUDA_PIECES := cuda_base.cuh cuda_args.h cuda_common.cuh cuda_mma.cuh cuda_fp8.cuh cuda_reduce.cuh \
+CUDA_PIECES := cuda_base.cuh cuda_args.h cuda_common.cuh cuda_mma.cuh fp8_bits.h cuda_fp8.cuh cuda_reduce.cuh \
                cuda_attention.cuh cuda_ce.cuh cuda_opt.cuh
 PRELUDES  := ec_prelude_c=$(K)/prelude_libc.h+$(K)/abi.h+$(K)/prelude.h ec_prelude_c_bf16=$(K)/prelude_bf16.h \
-             ec_prelude_fp8=$(K)/prelude_fp8.h ec_prelude_c_fp8=$(K)/prelude_c_fp8.h \
+             ec_prelude_fp8=$(K)/fp8_bits.h ec_prelude_c_fp8=$(K)/prelude_c_fp8.h \
              ec_prelude_cuda=$(subst $() ,+,$(addprefix $(K)/,$(CUDA_PIECES)))
 UNIT_SRC  := $(wildcard tests/unit/test_*.c)
 UNIT_BIN  := $(patsubst tests/unit/%.c,build/tests/%,$(UNIT_SRC))

@@ -58,9 +58,10 @@ void ec_grow(void *p, int n, int *cap, size_t size); // grows *p (*cap elements 
 // embedded by tools/embed.c into build/preludes.c, each the concatenation of its pieces in
 // runtime/kernels/ (the Makefile's PRELUDES): ec_prelude_c the C module's libc headers, the module
 // ABI (abi.h, which the runtime includes too) and prelude.h; ec_prelude_c_bf16 prelude_bf16.h (after
-// it in graphs that hold bf16 values); ec_prelude_fp8 and ec_prelude_c_fp8 prelude_fp8.h and
-// prelude_c_fp8.h (in graphs that hold fp8 values); ec_prelude_cuda the CUDA one, cuda_*.cuh by kernel
-// family and cuda_args.h (the kernels' arguments, which emit_cuda.h includes too).
+// it in graphs that hold bf16 values); ec_prelude_fp8 and ec_prelude_c_fp8 fp8_bits.h (the
+// conversions, also the CUDA prelude's and the interpreter's) and prelude_c_fp8.h (in graphs that
+// hold fp8 values); ec_prelude_cuda the CUDA one, cuda_*.cuh by kernel family, cuda_args.h (the
+// kernels' arguments, which emit_cuda.h includes too) and fp8_bits.h.
 //
 
 extern const char ec_prelude_c[], ec_prelude_c_bf16[], ec_prelude_fp8[], ec_prelude_c_fp8[], ec_prelude_cuda[];

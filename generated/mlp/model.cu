@@ -13,6 +13,7 @@ typedef unsigned long uint64_t;
 typedef int int32_t;
 typedef unsigned int uint32_t;
 typedef unsigned short uint16_t;
+typedef unsigned char uint8_t;
 
 #define MDL_INF __int_as_float(0x7f800000)
 #define MDL_NAN __int_as_float(0x7fffffff)
@@ -286,18 +287,44 @@ template <int N> __device__ __forceinline__ void mdl_cp_async_wait() {
 }
 #endif
 
-// fp8 <-> f32 in the two OCP formats of Hopper's tensor cores: E4M3 (bias 7, no infinity, S.1111.111
-// is NaN, largest 448) and E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties
-// to even, subnormals exact, -0 kept; beyond the largest finite value (infinity too) saturate to it
-// with the sign (satfinite, as cuBLASLt and __NV_SATFINITE); every NaN becomes 0x7f. The widenings
-// are exact. mdl_f32_to_fp8 is the reference, in integer arithmetic: |x| is clamped to the largest
-// value (bits max), then rounded on the bits (normal) or as an integer multiple of the smallest
-// subnormal. From sm_89 on the encoders use cvt.rn.satfinite, which PTX defines the same way for
-// every input but NaN (any NaN of the format): NaN inputs still give 0x7f.
-typedef unsigned char uint8_t;
+// fp8 <-> f32 in the two OCP formats of Hopper's tensor cores, one text for the three back ends: the
+// C modules that hold fp8 values carry it after their prelude, the CUDA prelude carries it, and the
+// reference interpreter includes it. E4M3 (bias 7, no infinity, S.1111.111 is NaN, largest 448) and
+// E5M2 (bias 15, IEEE-like, largest 57344). To fp8: round to nearest, ties to even, subnormals exact,
+// -0 kept; beyond the largest finite value (infinity too) saturate to it with the sign (PTX's
+// cvt.rn.satfinite, cuBLASLt's and __NV_SATFINITE's rule); every NaN becomes 0x7f. The widenings are
+// exact. MDL_FP8_FN makes the functions the device's under CUDA.
+#if defined(__CUDACC__)
+#define MDL_FP8_FN __device__ __forceinline__
+#else
+#define MDL_FP8_FN static inline
+#endif
 
-__device__ __forceinline__ uint8_t mdl_f32_to_fp8(float x, uint32_t man, uint32_t bias, uint32_t max) {
-  const uint32_t u = __float_as_uint(x), s = (u >> 24) & 0x80u;
+// A float's bits, and the float of some bits.
+MDL_FP8_FN uint32_t mdl_fp8_bits(float x) {
+#if defined(__CUDACC__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+MDL_FP8_FN float mdl_fp8_float(uint32_t u) {
+#if defined(__CUDACC__)
+  return __uint_as_float(u);
+#else
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+// The reference, in integer arithmetic: |x| is clamped to the largest value (bits max), then rounded
+// on the bits (normal) or as an integer multiple of the smallest subnormal.
+MDL_FP8_FN uint8_t mdl_f32_to_fp8(float x, uint32_t man, uint32_t bias, uint32_t max) {
+  const uint32_t u = mdl_fp8_bits(x), s = (u >> 24) & 0x80u;
   uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u)
     return 0x7f;
@@ -313,41 +340,43 @@ __device__ __forceinline__ uint8_t mdl_f32_to_fp8(float x, uint32_t man, uint32_
   return (uint8_t)(s | ((m + (1u << (sh - 1u)) - 1u + ((m >> sh) & 1u)) >> sh));
 }
 
-__device__ __forceinline__ uint8_t mdl_f32_to_e4m3(float x) {
+// From sm_89 on the encoders use cvt.rn.satfinite, which PTX defines as the reference for every
+// input but NaN (any NaN of the format): NaN inputs still give 0x7f.
+MDL_FP8_FN uint8_t mdl_f32_to_e4m3(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   unsigned short h;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.0f), "f"(x));
-  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u ? (uint8_t)0x7f : (uint8_t)h;
+  return (mdl_fp8_bits(x) & 0x7fffffffu) > 0x7f800000u ? (uint8_t)0x7f : (uint8_t)h;
 #else
   return mdl_f32_to_fp8(x, 3u, 7u, 0x43e00000u);
 #endif
 }
 
-__device__ __forceinline__ uint8_t mdl_f32_to_e5m2(float x) {
+MDL_FP8_FN uint8_t mdl_f32_to_e5m2(float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   unsigned short h;
   asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.0f), "f"(x));
-  return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u ? (uint8_t)0x7f : (uint8_t)h;
+  return (mdl_fp8_bits(x) & 0x7fffffffu) > 0x7f800000u ? (uint8_t)0x7f : (uint8_t)h;
 #else
   return mdl_f32_to_fp8(x, 2u, 15u, 0x47600000u);
 #endif
 }
 
 // A finite fp8 code widened: normal values by their bits, subnormals as m times the smallest one.
-__device__ __forceinline__ float mdl_fp8_to_f32(uint8_t c, uint32_t man, uint32_t bias) {
+MDL_FP8_FN float mdl_fp8_to_f32(uint8_t c, uint32_t man, uint32_t bias) {
   const uint32_t e = (c & 0x7fu) >> man, m = c & ((1u << man) - 1u);
-  const float v = e ? __uint_as_float((e + 127u - bias) << 23 | m << (23u - man))
-                    : (float)m * __uint_as_float((128u - bias - man) << 23);
-  return __uint_as_float(__float_as_uint(v) | (uint32_t)(c & 0x80u) << 24);
+  const float v = e ? mdl_fp8_float((e + 127u - bias) << 23 | m << (23u - man))
+                    : (float)m * mdl_fp8_float((128u - bias - man) << 23);
+  return mdl_fp8_float(mdl_fp8_bits(v) | (uint32_t)(c & 0x80u) << 24);
 }
 
-__device__ __forceinline__ float mdl_e4m3_to_f32(uint8_t c) {
-  return (c & 0x7fu) == 0x7fu ? MDL_NAN : mdl_fp8_to_f32(c, 3u, 7u);
+MDL_FP8_FN float mdl_e4m3_to_f32(uint8_t c) {
+  return (c & 0x7fu) == 0x7fu ? mdl_fp8_float(0x7fffffffu) : mdl_fp8_to_f32(c, 3u, 7u);
 }
 
-__device__ __forceinline__ float mdl_e5m2_to_f32(uint8_t c) {
+MDL_FP8_FN float mdl_e5m2_to_f32(uint8_t c) {
   if ((c & 0x7fu) >= 0x7cu)
-    return (c & 0x7fu) > 0x7cu ? MDL_NAN : __uint_as_float(0x7f800000u | (uint32_t)(c & 0x80u) << 24);
+    return (c & 0x7fu) > 0x7cu ? mdl_fp8_float(0x7fffffffu) : mdl_fp8_float(0x7f800000u | (uint32_t)(c & 0x80u) << 24);
   return mdl_fp8_to_f32(c, 2u, 15u);
 }
 

@@ -22,7 +22,7 @@
 //                                              u2 = mdl_rng_uniform(seed, k + 1000, 2i + 1).
 //
 // fp8 (precision fp8): a CAST to fp8 multiplies by its tensor's scale, rounds with the prelude's
-// conversions (runtime/kernels/prelude_fp8.h, the device's bit for bit) and keeps the code's value; it records
+// conversions (runtime/kernels/fp8_bits.h, the device's bit for bit) and keeps the code's value; it records
 // max |x| as it goes. A MATMUL of fp8 operands sums their products and multiplies by 1 / (scale_a
 // scale_b). A whole step (interp_run to the end) first calibrates when no step was recorded yet (the
 // graph up to its first optimizer node with every scale 1: amaxes only, nothing written), and ends
@@ -38,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "prelude_fp8.h"
+#include "fp8_bits.h"
 
 struct Interp {
   const Graph *g;

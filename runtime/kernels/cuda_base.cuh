@@ -4,6 +4,7 @@ typedef unsigned long uint64_t;
 typedef int int32_t;
 typedef unsigned int uint32_t;
 typedef unsigned short uint16_t;
+typedef unsigned char uint8_t;
 
 #define MDL_INF __int_as_float(0x7f800000)
 #define MDL_NAN __int_as_float(0x7fffffff)

@@ -83,4 +83,3 @@ template <int N> __device__ __forceinline__ void mdl_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 #endif
-

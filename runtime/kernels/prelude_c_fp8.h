@@ -1,5 +1,5 @@
 
-// The C back end's fp8 (precision fp8; after prelude_fp8.h's conversions). A CAST to fp8 multiplies
+// The C back end's fp8 (precision fp8; after fp8_bits.h's conversions). A CAST to fp8 multiplies
 // by its tensor's scale, rounds, and notes |x| in its thread's amax (a NaN stays); the GEMMs widen
 // their fp8 operands to f32 times 1 / scale (exact: a power of two, so the f32 GEMM's sums are the
 // scaled sums of the codes' products, descaled).

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "prelude_fp8.h"
+#include "fp8_bits.h"
 
 typedef void (*launch_fn)(void *fn, const unsigned *grid, const unsigned *block, char *arena, void *status,
                           uint64_t seed, int64_t chunk, const int64_t *args, int nargs);

@@ -14,7 +14,7 @@
 //     column-major rules (transposes, leading dimensions, strided batches, bias and GELU epilogues
 //     with their aux output, f32 or bf16 A and B, f32 or bf16 D; fp8 A and B by the FP8 rules of
 //     Hopper: E4M3 or E5M2, not both E5M2, "TN" only, leading dimensions multiples of 16, no epilogue,
-//     the codes decoded by runtime/kernels/prelude_fp8.h and the f32 sums times the A and B scales read
+//     the codes decoded by runtime/kernels/fp8_bits.h and the f32 sums times the A and B scales read
 //     through their pointers when the GEMM runs; any other fp8 GEMM the heuristic refuses with
 //     CUBLAS_STATUS_NOT_SUPPORTED, as the library does) independently of how cuda.c maps our
 //     row-major GEMMs onto them, and counts the element types each GEMM is described with. Its
@@ -111,7 +111,7 @@ static bool in_list(const char *list, const char *name) {
 
 // The host's fp8 conversions, bit for bit NVIDIA's (apart from the module's device ones of the same names).
 namespace host {
-#include "../../runtime/kernels/prelude_fp8.h"
+#include "../../runtime/kernels/fp8_bits.h"
 }
 
 typedef int CUresult;

@@ -8,7 +8,7 @@
 //     code encodes back to itself; and encodings agree bit for bit with NVIDIA's on every float16 value
 //     read as a float, every fp8 value, the midpoints between neighbours (ties) and the floats just
 //     around them, +-0, +-inf, NaNs, values beyond the largest, float subnormals and 4M random floats.
-//     The host's conversions (runtime/kernels/prelude_fp8.h, the C back end's and the interpreter's) pass the
+//     The host's conversions (runtime/kernels/fp8_bits.h, the C back end's and the interpreter's) pass the
 //     same checks, even without a compiler, and encode and widen bit for bit as the emulated prelude.
 //  2. NVRTC: the prelude with a kernel using the conversions compiles for sm_80 (software path) and
 //     sm_89, sm_90, sm_100 and sm_120 (cvt.rn.satfinite) without an error or a warning.
@@ -29,7 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "prelude_fp8.h"
+#include "fp8_bits.h"
 
 typedef void (*EncodeFn)(const float *x, uint8_t *e4, uint8_t *e5, long n);
 typedef void (*DecodeFn)(float *e4, float *e5);
@@ -359,7 +359,7 @@ static void test_encode_reference(EncodeFn enc, EncodeFn ref) {
   free(g);
 }
 
-// The host's conversions (runtime/kernels/prelude_fp8.h: the C back end's and the interpreter's).
+// The host's conversions (runtime/kernels/fp8_bits.h: the C back end's and the interpreter's).
 static void host_encode(const float *x, uint8_t *e4, uint8_t *e5, long n) {
   for (long i = 0; i < n; i++) {
     e4[i] = mdl_f32_to_e4m3(x[i]);
@@ -392,7 +392,7 @@ static void test_host_vs_device(EncodeFn dev, DecodeFn dev_dec) {
     if (g[i] != g[2 * n + i] && bad++ == 0)
       first = i % n;
   char name[200];
-  snprintf(name, sizeof name, "fp8: the host's conversions (prelude_fp8.h) encode %ld floats bit for bit as the "
+  snprintf(name, sizeof name, "fp8: the host's conversions (fp8_bits.h) encode %ld floats bit for bit as the "
            "device prelude's, both formats", n);
   CHECK(bad == 0, name, "%ld differ; the first: %a (0x%08x)", bad, first < 0 ? 0.0 : x[first],
         first < 0 ? 0 : bits(x[first]));

@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "prelude_fp8.h"
+#include "fp8_bits.h"
 
 static Graph *fp8_graph(Arena *a, const char *path, const char *text, const DimOverride *ov, int nov,
                         const LowerOptions *lo) {

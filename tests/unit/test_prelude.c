@@ -46,14 +46,14 @@ static char *pieces_text(const char *includes) {
 // pieces, as the runtime is compiled (the project's include folders, -D_GNU_SOURCE).
 static const char c_pieces[] = "#include \"prelude_libc.h\"\n#include \"abi.h\"\n#include \"prelude.h\"\n"
                                "#include \"prelude_bf16.h\"\n"
-                               "#include \"prelude_fp8.h\"\n#include \"prelude_c_fp8.h\"\n";
+                               "#include \"fp8_bits.h\"\n#include \"prelude_c_fp8.h\"\n";
 static const char runtime_abi[] = "#include \"mdl.h\"\n#include \"backend.h\"\n#include \"emit_cuda.h\"\n"
                                   "_Static_assert(sizeof(MdlArgs) == CUDA_MAX_ARGS * sizeof(int64_t), \"b\");\n"
                                   "int main(void) { MdlHooks h = {0}; MdlKernel k = {0}; MdlStatus s = {0};\n"
                                   "  return (int)(h.nthreads + (k.fn != 0) + s.code); }\n";
 static const char cuda_pieces[] = "#include \"cuda_base.cuh\"\n#include \"cuda_args.h\"\n"
                                   "#include \"cuda_common.cuh\"\n#include \"cuda_mma.cuh\"\n"
-                                  "#include \"cuda_fp8.cuh\"\n#include \"cuda_reduce.cuh\"\n"
+                                  "#include \"fp8_bits.h\"\n#include \"cuda_fp8.cuh\"\n#include \"cuda_reduce.cuh\"\n"
                                   "#include \"cuda_attention.cuh\"\n#include \"cuda_ce.cuh\"\n"
                                   "#include \"cuda_opt.cuh\"\n";
 
