@@ -24,6 +24,13 @@
 // aborts in a later free: "corrupted size vs. prev_size"; a SIGTERM to a run did it 3 times in 230).
 // Every thread that calls into a library therefore gets an alternate signal stack first
 // (rt_signal_stack), and every handler the runtime installs runs on it (SA_ONSTACK).
+//
+// Address space. Under a limit (ulimit -v), oneDNN 2.6's first GEMM crashes where too little is left
+// for it: SIGSEGV inside its initialisation, or libgomp's abort when it cannot create the threads'
+// stacks. Measured on 2 cores of a Zen 4: loaded, oneDNN grew the process by 14 MB at its first GEMM;
+// it crashed with 15 MB left and ran with 25 MB. So a library is taken only where the limit leaves
+// GEMM_START_BYTES plus a default thread stack per core, else the run stops with an out-of-memory
+// error before anything is trained or written.
 #include "backend.h"
 #include "runtime.h"
 
@@ -34,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 typedef void (*SetThreads)(int);
@@ -503,6 +511,37 @@ static double probe(bool bf16) {
   return slowest > 0 ? 2.0 * PM * PN * PK / slowest / 1e9 : 0;
 }
 
+enum { GEMM_START_BYTES = 24 << 20 };
+
+// Whether the address-space limit, if there is one, leaves the library room to start its threads
+// (see the top of this file); else why not, in L.err.
+static bool address_space_left(void) {
+  struct rlimit lim;
+  if (getrlimit(RLIMIT_AS, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY)
+    return true;
+  long pages = 0;
+  FILE *f = fopen("/proc/self/statm", "r");
+  bool read = f && fscanf(f, "%ld", &pages) == 1;
+  if (f)
+    fclose(f);
+  if (!read)
+    return true; // (no /proc: the library is tried)
+  size_t stack = 8 << 20;
+  pthread_attr_t attr;
+  if (pthread_getattr_default_np(&attr) == 0) {
+    pthread_attr_getstacksize(&attr, &stack);
+    pthread_attr_destroy(&attr);
+  }
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  double used = (double)pages * (double)sysconf(_SC_PAGESIZE), limit = (double)lim.rlim_cur;
+  double need = GEMM_START_BYTES + (double)(cores > 0 ? cores : 1) * (double)stack;
+  if (limit - used >= need)
+    return true;
+  snprintf(L.err, sizeof L.err, "out of memory: the GEMM library and its %ld threads need about %.0f MB of address "
+           "space, the limit (ulimit -v) leaves %.0f MB", cores, need / 1e6, (limit - used) / 1e6);
+  return false;
+}
+
 const GemmLib *rt_gemm(char *err, size_t n) {
   if (!L.loaded) {
     L.loaded = true;
@@ -519,6 +558,8 @@ const GemmLib *rt_gemm(char *err, size_t n) {
     if (!L.ok && !L.err[0])
       snprintf(L.err, sizeof L.err, "no GEMM library: %s%s%s (install libdnnl2 or libopenblas0)", why1,
                why1[0] && why2[0] ? "; " : "", why2);
+    if (L.ok && !address_space_left())
+      L.ok = false;
   }
   if (!L.ok) {
     rt_fail(err, n, "%s", L.err);
