@@ -349,28 +349,12 @@ static void test_ir_rules(void) {
   arena_free(a);
 }
 
-// A deterministic packed batch: two documents per row.
-static void set_batch(const Graph *g, Interp *it) {
-  for (int i = 0; i < g->fwd_end; i++) {
-    const IrNode *nd = g->nodes[i];
-    if (nd->op != OP_INPUT)
-      continue;
-    int64_t n = shape_numel(nd->shape);
-    int32_t *ids = malloc(sizeof *ids * (size_t)n);
-    float *f = malloc(sizeof *f * (size_t)n);
-    packed_batch(nd, ids, f);
-    interp_set_input(it, nd->name, nd->dtype == DT_I32 ? ids : NULL, nd->dtype == DT_I32 ? NULL : f, n);
-    free(ids);
-    free(f);
-  }
-}
-
 // Loss after each of `steps` AdamW steps on one batch (losses[0] is the first step's loss).
 static bool train(Graph *g, int steps, double *losses, bool check_casts, int *not_bf16) {
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 5);
   interp_set_seed(it, 5);
-  set_batch(g, it);
+  set_inputs_by(g, packed_batch, it, NULL, NULL);
   char err[256];
   for (int s = 1; s <= steps; s++) {
     interp_set_scalar(it, "lr", 3e-3);
@@ -422,7 +406,7 @@ static void test_loss_rounding(void) {
   Interp *it = interp_new(g, INTERP_F32);
   interp_init_params(it, 5);
   interp_set_seed(it, 5);
-  set_batch(g, it);
+  set_inputs_by(g, packed_batch, it, NULL, NULL);
   interp_set_scalar(it, "lr", 3e-3);
   interp_set_scalar(it, "step", 1);
   bool ran = ce >= 0 && interp_run(it, g->n, err, sizeof err);
@@ -501,7 +485,7 @@ static void test_attention(void) {
   Interp *it = interp_new(g, INTERP_F64);
   interp_init_params(it, 3);
   interp_set_seed(it, 3);
-  set_batch(g, it);
+  set_inputs_by(g, packed_batch, it, NULL, NULL);
   interp_set_scalar(it, "lr", 3e-3);
   interp_set_scalar(it, "step", 1);
   if (!interp_run(it, g->n, err, sizeof err)) {
