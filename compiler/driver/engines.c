@@ -11,8 +11,8 @@
 #include <string.h>
 
 // What `auto` precision is: bf16 (a GPU's tensor cores, and the numerics every back end reproduces),
-// except for training or gradients on the CPU back end where the GEMM library has no bf16 GEMM faster
-// than its f32 one (oneDNN without AMX: about half the rate), which run fp32. `why` says which.
+// except for training or gradients on the CPU back end where the GEMM library has no bf16 GEMM of the
+// CPU's own (AVX-512 BF16 or AMX; see runtime/engine/gemm.c), which run fp32. `why` says which.
 const char *auto_precision(const Options *o, const char **why) {
   static const char *chosen, *reason;
   if (!chosen) {
@@ -23,9 +23,9 @@ const char *auto_precision(const Options *o, const char **why) {
     static char buf[200];
     chosen = lib && !lib->bgemm ? "fp32" : "bf16";
     if (lib)
-      snprintf(buf, sizeof buf, lib->bgemm ? "bf16: %s's bf16 GEMM (AMX) is faster than its fp32 one here"
-                                           : "fp32: %s has no bf16 GEMM faster than its fp32 one on this CPU",
-               lib->name);
+      snprintf(buf, sizeof buf, lib->bgemm ? "bf16: %s has bf16 GEMM kernels for this CPU (%s), faster than its fp32 ones"
+                                           : "fp32: %s has no bf16 GEMM kernels for this CPU (its %s ones widen bf16)",
+               lib->name, lib->kernels);
     reason = !executes ? "bf16 where nothing runs" : !strcmp(backend, "cuda") ? "bf16 on a GPU"
              : !lib ? "bf16 (no GEMM library to ask)" : buf;
   }

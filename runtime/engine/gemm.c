@@ -14,9 +14,12 @@
 // so each call sets that thread's OpenMP thread count to 1 for its duration; OpenBLAS is set to one
 // thread once.
 //
-// bgemm (bf16 operands, f32 accumulation and result) is offered only where the library has a bf16
-// GEMM faster than its f32 one: oneDNN on a CPU with AMX. Without AMX (avx512_bf16 alone) oneDNN's
-// bf16 GEMM runs at about half its f32 rate, so the module widens bf16 operands and calls sgemm.
+// bgemm (bf16 operands, f32 accumulation and result) is offered only where the library has bf16
+// kernels of the CPU's own: oneDNN whose effective ISA includes AVX-512 BF16 (vdpbf16ps; AMX CPUs
+// have it too). Measured (bench/RESULTS.md, "bf16 without AMX"): on a Zen 4 oneDNN 2.6.3's bf16
+// matmul runs at 1.6-2.0x its sgemm at the models' shapes, on AMX 3-4.5x. On AVX-512 without BF16
+// and on AVX2 oneDNN 2.6 has no bf16 GEMM kernel of its own, so the module widens bf16 operands and
+// calls sgemm there.
 //
 // Signals. oneDNN's f32 GEMM kernels before 3.11.2 (jit_avx512_common_gemm_f32, jit_avx_gemm_f32)
 // point the stack pointer into a workspace they allocate on the heap while they run, so a signal
@@ -335,7 +338,7 @@ static bool onednn_load(char *why, size_t n) {
   snprintf(g->kernels, sizeof g->kernels, "%s", isa_name);
   g->sgemm = onednn_sgemm;
   g->generic = (have & dnnl_cpu_isa_avx2) != dnnl_cpu_isa_avx2 && __builtin_cpu_supports("avx2");
-  if ((have & dnnl_cpu_isa_avx512_core_amx) == dnnl_cpu_isa_avx512_core_amx)
+  if ((have & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16)
     g->bgemm = onednn_bgemm;
   return true;
 }

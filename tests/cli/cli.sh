@@ -221,8 +221,8 @@ sed -n 's/.*"loss":\([0-9.]*\).*/\1/p' "$tmp/prof/log.jsonl" >"$tmp/prof.losses"
 cmp -s "$tmp/prof.losses" "$tmp/p.losses" && echo "[ok] cli: --profile trains to the same losses" ||
   echo "[fail] cli: --profile changes the losses"
 
-# Precision: the models say auto, which is bf16 where the CPU's GEMM library has a bf16 GEMM faster than
-# its fp32 one (its GEMM line then gives a bf16 rate), else fp32, and the run says which and why; fp32
+# Precision: the models say auto, which is bf16 where the CPU's GEMM library has bf16 GEMM kernels of
+# the CPU's own (its GEMM line then gives a bf16 rate), else fp32, and the run says which and why; fp32
 # and bf16 on request both train, to close but different losses.
 if grep -q '^GEMM: .* GFLOP/s bf16' "$tmp/p.out"; then want="precision auto, bf16: "; else want="precision auto, fp32: "; fi
 contains "run says which precision auto chose, and why" "$tmp/p.out" "$want"
@@ -242,6 +242,29 @@ if grep -qw avx2 /proc/cpuinfo && [ -e /usr/lib/x86_64-linux-gnu/libopenblas.so.
     "precision auto, fp32: OpenBLAS"
 else
   echo "[skip] cli: the generic-kernels warning (no AVX2 or no OpenBLAS here)"
+fi
+# ... and on each side of that line whatever the host: oneDNN capped at AVX2 has no bf16 GEMM kernels
+# (fp32); at AVX-512 BF16 it has (bf16), where the CPU can run them.
+if [ -e /usr/lib/x86_64-linux-gnu/libdnnl.so.2 ] && grep -qw avx2 /proc/cpuinfo; then
+  for cap in AVX2 AVX512_CORE_BF16; do
+    [ $cap = AVX512_CORE_BF16 ] && ! grep -qw avx512_bf16 /proc/cpuinfo &&
+      { echo "[skip] cli: precision auto with oneDNN's AVX-512 BF16 kernels (this CPU has no avx512_bf16)"; continue; }
+    rm -rf "$tmp/cap"
+    MDL_GEMM=onednn ONEDNN_MAX_CPU_ISA=$cap $m run models/gpt2-tiny.mdl -D B=2 -D T=16 --steps 1 \
+      --data "$tmp/shards" --out "$tmp/cap" --val-every 0 >"$tmp/cap.out" 2>&1
+    if [ $cap = AVX2 ]; then
+      contains "precision auto is fp32 where oneDNN has no bf16 GEMM kernels (capped at AVX2)" "$tmp/cap.out" \
+        "precision auto, fp32: oneDNN"
+    else
+      contains "precision auto is bf16 on oneDNN's AVX-512 BF16 kernels" "$tmp/cap.out" \
+        "has bf16 GEMM kernels for this CPU (avx512_core_bf16), faster than its fp32 ones"
+      grep -qE '^GEMM: oneDNN .*avx512_core_bf16 kernels.* GFLOP/s bf16' "$tmp/cap.out" &&
+        echo "[ok] cli: ... and its GEMM line gives the bf16 rate" ||
+        echo "[fail] cli: the GEMM line at AVX512_CORE_BF16: $(grep '^GEMM' "$tmp/cap.out")"
+    fi
+  done
+else
+  echo "[skip] cli: precision auto on each oneDNN ISA level (no oneDNN or no AVX2 here)"
 fi
 for prec in fp32 bf16; do
   rm -rf "$tmp/p$prec"
