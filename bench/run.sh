@@ -3,8 +3,13 @@
 # from PyPI (MKL and oneDNN inside; eager and torch.compile), installed into a virtual environment
 # ($MDL_BENCH_VENV, else ~/.cache/mdl/bench-venv) when missing, its columns n/a when it cannot be.
 # Same GPT, batch shape, thread count, AdamW with clipping. mdlc runs fp32 (as PyTorch does by
-# default) and at its default precision (auto: bf16 where the CPU has a bf16 GEMM faster than fp32,
-# else fp32); PyTorch eager also runs under bf16 autocast, its own way to the same kernels.
+# default) and at its default precision (auto: bf16 where the CPU's GEMM library has bf16 kernels of
+# the CPU's own, else fp32); PyTorch eager and torch.compile also run under bf16 autocast, their own
+# way to the same kernels. The last column is mdlc's default against the best of PyTorch's four.
+#
+# Then Muon against AdamW (MUON_GEOMS, default tiny,124m): the step time with `optimizer = muon` over
+# the step time with AdamW, mdlc at its default precision and PyTorch eager (torch.optim.Muon for the
+# blocks' matrices) under bf16 autocast, interleaved as above.
 #
 # Rounds are interleaved (each configuration once a round, ROUNDS rounds, default 3), so that a load
 # on the machine falls on all columns alike; each cell is the median over the rounds of each run's
@@ -17,6 +22,7 @@ cd "$(dirname "$0")/.."
 steps=${STEPS:-12}
 rounds=${ROUNDS:-3}
 geoms=${GEOMS:-tiny,small,t512,124m}
+muon_geoms=${MUON_GEOMS:-tiny,124m}
 threads=$(nproc)
 venv=${MDL_BENCH_VENV:-$HOME/.cache/mdl/bench-venv}
 tmp=$(mktemp -d)
@@ -109,27 +115,73 @@ while IFS='|' read -r key label model tdims; do
     mdl "$key-mdlauto" "$r" $model
     peer "$key-compile" "$r" $tdims --compile
     peer "$key-eager16" "$r" $tdims --bf16
+    peer "$key-compile16" "$r" $tdims --compile --bf16
   done
 done < <(configs)
 
-echo "| geometry | mdlc fp32 | mdlc default | PyTorch eager fp32 | torch.compile fp32 | PyTorch eager bf16 | mdlc fp32 / compile | mdlc default / best PyTorch |"
-echo "|---|---|---|---|---|---|---|---|"
+# the Muon rows
+muon_rows=""
+while IFS='|' read -r key label model tdims; do
+  case ",$muon_geoms," in *",$key,"*) ;; *) continue ;; esac
+  muon_rows="$muon_rows $key"
+  echo "$label" >"$tmp/$key.label"
+  for r in $(seq 1 "$rounds"); do
+    mdl "$key-mdladam" "$r" $model --set optimizer=adamw
+    peer "$key-torchadam" "$r" $tdims --bf16
+    mdl "$key-mdlmuon" "$r" $model --set optimizer=muon
+    peer "$key-torchmuon" "$r" $tdims --bf16 --muon
+  done
+done < <(configs)
+
+# rratio A B: the ratio of the medians, and its range over the rounds (round r's A over round r's B)
+rratio() {
+  local m r lo="" hi=""
+  m=$(ratio "$(med "$1")" "$(med "$2")")
+  for r in $(seq 1 "$rounds"); do
+    local q
+    q=$(awk -v a="$(cat "$tmp/$1.$r" 2>/dev/null)" -v b="$(cat "$tmp/$2.$r" 2>/dev/null)" \
+      'BEGIN {if (a + 0 > 0 && b + 0 > 0) printf "%.2f", a / b}')
+    [ -z "$q" ] && continue
+    lo=$(printf '%s\n' "$q" ${lo:+"$lo"} | sort -g | head -1)
+    hi=$(printf '%s\n' "$q" ${hi:+"$hi"} | sort -g | tail -1)
+  done
+  if [ "$m" != n/a ] && [ -n "$lo" ] && [ "$rounds" -gt 1 ]; then echo "$m ($lo-$hi)"; else echo "$m"; fi
+}
+
+echo "| geometry | mdlc fp32 | mdlc default | PyTorch eager fp32 | torch.compile fp32 | PyTorch eager bf16 | torch.compile bf16 | best PyTorch | mdlc fp32 / compile fp32 | mdlc default / best PyTorch |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 for key in $rows; do
-  m32=$(med "$key-mdl32.tok"); ma=$(med "$key-mdlauto.tok"); ce=$(med "$key-compile.tok")
-  bt=$(best "$(med "$key-eager.tok")" "$ce" "$(med "$key-eager16.tok")")
+  bk=n/a bv=0
+  for c in eager compile eager16 compile16; do
+    v=$(med "$key-$c.tok")
+    [ "$v" != n/a ] && awk -v a="$v" -v b="$bv" 'BEGIN {exit !(a + 0 > b + 0)}' && bk=$c bv=$v
+  done
+  case $bk in eager) bn="eager fp32" ;; compile) bn="compile fp32" ;; eager16) bn="eager bf16" ;;
+    compile16) bn="compile bf16" ;; *) bn=n/a ;; esac
   echo "| $(cat "$tmp/$key.label") | $(cell "$key-mdl32.tok") | $(cell "$key-mdlauto.tok") | $(cell "$key-eager.tok") |" \
-    "$(cell "$key-compile.tok") | $(cell "$key-eager16.tok") | $(ratio "$m32" "$ce") | $(ratio "$ma" "${bt:-n/a}") |"
+    "$(cell "$key-compile.tok") | $(cell "$key-eager16.tok") | $(cell "$key-compile16.tok") | $bn |" \
+    "$(rratio "$key-mdl32.tok" "$key-compile.tok") | $( [ "$bk" = n/a ] && echo n/a || rratio "$key-mdlauto.tok" "$key-$bk.tok") |"
 done
 echo
 echo "tokens/s: median (range) over $rounds interleaved rounds, each run the median of its $steps steps after warm-up;"
-echo "mdlc default = $(cat "$tmp/$(echo $rows | cut -d' ' -f1).prec" 2>/dev/null)"
+echo "mdlc default = $(cat "$tmp/$(echo $rows | cut -d' ' -f1).prec" 2>/dev/null); ratios: of the medians (range of the"
+echo "rounds' own ratios, round by round)"
+if [ -n "$muon_rows" ]; then
+  echo
+  echo "| geometry | mdlc AdamW tok/s | mdlc Muon tok/s | mdlc Muon step / AdamW step | PyTorch eager bf16 AdamW | Muon | PyTorch Muon step / AdamW step |"
+  echo "|---|---|---|---|---|---|---|"
+  for key in $muon_rows; do
+    echo "| $(cat "$tmp/$key.label") | $(cell "$key-mdladam.tok") | $(cell "$key-mdlmuon.tok") | $(rratio "$key-mdladam.tok" "$key-mdlmuon.tok") |" \
+      "$(cell "$key-torchadam.tok") | $(cell "$key-torchmuon.tok") | $(rratio "$key-torchadam.tok" "$key-torchmuon.tok") |"
+  done
+fi
 echo
-echo "| geometry | mdlc cc, cold (s) | mdlc start, warm (s) | torch.compile 1st step, cold (s) | warm (s) | peak RSS MB: mdlc fp32 | mdlc default | eager fp32 | compile fp32 | eager bf16 |"
-echo "|---|---|---|---|---|---|---|---|---|---|"
+echo "| geometry | mdlc cc, cold (s) | mdlc start, warm (s) | torch.compile 1st step, cold (s) | warm (s) | peak RSS MB: mdlc fp32 | mdlc default | eager fp32 | compile fp32 | eager bf16 | compile bf16 |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|"
 for key in $rows; do
   echo "| $(cat "$tmp/$key.label") | $(cat "$tmp/$key.cc") | $(cat "$tmp/$key.warmstart") | $(cat "$tmp/$key-compile.first.1") |" \
     "$( [ "$rounds" -gt 1 ] && cat "$tmp/$key-compile.first.2" || echo n/a) | $(med "$key-mdl32.rss") | $(med "$key-mdlauto.rss") |" \
-    "$(med "$key-eager.rss") | $(med "$key-compile.rss") | $(med "$key-eager16.rss") |"
+    "$(med "$key-eager.rss") | $(med "$key-compile.rss") | $(med "$key-eager16.rss") | $(med "$key-compile16.rss") |"
 done
 echo
 echo "$threads threads; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //');" \

@@ -3,7 +3,10 @@ writes it, nanoGPT style: nn.Linear layers, F.scaled_dot_product_attention with 
 flash attention kernel on the CPU), tanh GELU, tied embeddings, cross-entropy, AdamW with clipping at
 1.0; eager or torch.compile; fp32, or bf16 autocast (oneDNN's AMX kernels where the CPU has them).
 
-  torch_gpt.py --V 256 --maxT 128 --C 64 --H 4 --L 2 --B 8 --T 64 --steps 20 --threads 2 [--compile] [--bf16]
+  torch_gpt.py --V 256 --maxT 128 --C 64 --H 4 --L 2 --B 8 --T 64 --steps 20 --threads 2 [--compile] [--bf16] [--muon]
+
+--muon trains the blocks' matrices with torch.optim.Muon (lr 0.02, momentum 0.95, Nesterov; PyTorch's
+Newton-Schulz, 5 steps) and the other params with AdamW at 3e-4, as `optimizer = muon` in mdl does.
 
 prints one line:
   torch eager fp32: <tok/s> tok/s (median of N steps after 3 warm-up steps; first step <s> s; peak RSS <MB> MB)
@@ -63,14 +66,21 @@ def main():
         ap.add_argument("--" + k, type=int, default=v)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--muon", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = GPT(a.V, a.maxT, a.C, a.H, a.L)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     other = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    if a.muon:
+        hidden = [p for n, p in model.named_parameters() if n.startswith("h.") and p.dim() == 2]
+        rest = [p for n, p in model.named_parameters() if not (n.startswith("h.") and p.dim() == 2)]
+        opts = [torch.optim.Muon(hidden, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0),
+                torch.optim.AdamW(rest, lr=3e-4, betas=(0.9, 0.95), eps=1e-10)]
+    else:
+        opts = [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)]
     step_model = torch.compile(model) if a.compile else model
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, min(a.V, 256), (a.B, a.T + 1), generator=gen)
@@ -78,16 +88,18 @@ def main():
     times = []
     for step in range(a.steps + 3):
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
             loss = step_model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        for opt in opts:
+            opt.step()
         times.append(time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("torch %s %s: %.0f tok/s (median of %d steps after 3 warm-up steps; first step %.2f s; peak RSS %.0f MB; "
-          "loss %.3f)" % ("compile" if a.compile else "eager", "bf16" if a.bf16 else "fp32",
+    print("torch %s %s%s: %.0f tok/s (median of %d steps after 3 warm-up steps; first step %.2f s; peak RSS %.0f MB; "
+          "loss %.3f)" % ("compile" if a.compile else "eager", "bf16" if a.bf16 else "fp32", " muon" if a.muon else "",
                           a.B * a.T / statistics.median(times[3:]), a.steps, times[0], rss, loss.item()))
 
 
