@@ -18,7 +18,7 @@ double rt_lr_at(const TrainConfig *tc, int64_t step); // step counts from 1
 double rt_step_flops(const Graph *g);
 // The peak this machine's CPU is assumed to reach in fp32: cores x GHz x flops per cycle (FMA
 // width x 2 units), from /proc/cpuinfo; *how names what was assumed.
-double rt_cpu_peak_flops(bool amx_bf16, const char **how); // amx_bf16: GEMMs in bf16 on AMX
+double rt_cpu_peak_flops(const char *bf16_kernels, const char **how); // GEMMs in bf16 on these kernels (NULL: fp32)
 
 //
 // dist.c: data-parallel training over processes, launched by MPI (mpirun, or srun through MPI).

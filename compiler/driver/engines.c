@@ -177,7 +177,7 @@ Engine *open_engine(const Options *o, const Compilation *c, bool report) {
     const GemmLib *lib = rt_gemm(err, sizeof err);
     gemm_report(lib, o->quiet);
     const char *how;
-    e->peak_flops = rt_cpu_peak_flops(lib->bgemm && !strcmp(g->train.precision, "bf16"), &how);
+    e->peak_flops = rt_cpu_peak_flops(lib->bgemm && !strcmp(g->train.precision, "bf16") ? lib->kernels : NULL, &how);
     e->peak_how = arena_strdup(g->arena, how);
   }
   if (e && report && !o->quiet)

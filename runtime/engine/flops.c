@@ -64,7 +64,7 @@ double rt_step_flops(const Graph *g) {
   return 3.0 * fwd;
 }
 
-double rt_cpu_peak_flops(bool amx_bf16, const char **how) {
+double rt_cpu_peak_flops(const char *bf16_kernels, const char **how) {
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   double ghz = 0;
   int flops = 32; // AVX2 fp32: two 8-lane FMAs a cycle
@@ -81,10 +81,13 @@ double rt_cpu_peak_flops(bool amx_bf16, const char **how) {
   if (ghz <= 0)
     ghz = 2.5;
   static char buf[200];
-  if (amx_bf16) // AMX: a 16x32 by 32x16 bf16 tile product (512 multiply-adds) a cycle
-    flops = 1024;
+  const char *what = "fp32";
+  if (bf16_kernels && strstr(bf16_kernels, "amx")) // AMX: a 16x32 by 32x16 bf16 tile product (512 multiply-adds) a cycle
+    flops = 1024, what = "bf16 on AMX";
+  else if (bf16_kernels && strstr(bf16_kernels, "bf16")) // vdpbf16ps: 16 lanes of 2 bf16 products summed, two a cycle
+    flops = 128, what = "bf16 on AVX-512 BF16";
   snprintf(buf, sizeof buf, "CPU peak %.0f GFLOP/s %s assumed (%ld cores x %.2f GHz x %d flops/cycle)",
-           cores * ghz * flops, amx_bf16 ? "bf16 on AMX" : "fp32", cores, ghz, flops);
+           cores * ghz * flops, what, cores, ghz, flops);
   *how = buf;
   return (double)cores * ghz * 1e9 * flops;
 }

@@ -184,7 +184,7 @@ static void run_plan(Run *r) {
     if (g->nodes[i]->op == OP_GRAD_NORM)
       r->gnorm = i;
   const char *peak_how = e->peak_how;
-  r->peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(false, &peak_how), r->flops = rt_step_flops(g);
+  r->peak = e->peak_flops > 0 ? e->peak_flops : rt_cpu_peak_flops(NULL, &peak_how), r->flops = rt_step_flops(g);
   r->unigram = o->arrays ? NAN : unigram_entropy(o->data_dir, r->V);
   r->val_batches = o->arrays && r->val ? array_val_batches(r->val, r->B * r->world, o->val_batches) : o->val_batches;
   r->unit = o->arrays ? "ex/s" : "tok/s";

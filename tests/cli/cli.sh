@@ -261,6 +261,8 @@ if [ -e /usr/lib/x86_64-linux-gnu/libdnnl.so.2 ] && grep -qw avx2 /proc/cpuinfo;
       grep -qE '^GEMM: oneDNN .*avx512_core_bf16 kernels.* GFLOP/s bf16' "$tmp/cap.out" &&
         echo "[ok] cli: ... and its GEMM line gives the bf16 rate" ||
         echo "[fail] cli: the GEMM line at AVX512_CORE_BF16: $(grep '^GEMM' "$tmp/cap.out")"
+      contains "... and MFU is against the peak of AVX-512 BF16 (not AMX's)" "$tmp/cap.out" \
+        "GFLOP/s bf16 on AVX-512 BF16 assumed"
     fi
   done
 else
