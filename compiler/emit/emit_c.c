@@ -400,7 +400,7 @@ static void write_kernels(Buf *out, const Kernel *ks, int n, int nparts, int *pa
 
 // The C target: its hooks and its loop families.
 static const EmitTarget c_target = {
-    .seed = c_seed, .base = c_base, .fp8_cast = c_fp8_cast, .local = c_local, .store = c_store,
+    .concat_values = true, .seed = c_seed, .base = c_base, .fp8_cast = c_fp8_cast, .local = c_local, .store = c_store,
     .pw_loop = c_pw_loop, .pass_reset = pass_reset,
     .kernel = {[EK_GEMM] = emit_gemm, [EK_REDUCE] = c_emit_reduce, [EK_NORM_FWD] = c_emit_norm_fwd,
                [EK_NORM_BWD] = c_emit_norm_bwd, [EK_SOFTMAX] = c_emit_softmax, [EK_EMBED] = c_emit_embed,

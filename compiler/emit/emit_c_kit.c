@@ -69,8 +69,12 @@ int c_ptr(Emit *e, int c) {
 // A local is named after its node and index (v12_i), which kernel_key numbers when it compares kernels.
 const char *c_local(EmitCore *core, int c, const char *ix) { return ec_str(core, "v%d_%s", c, ix); }
 
+// (A bf16 CAST's value is rounded already: its bits are stored as they are, not rounded again.)
 void c_store(EmitCore *core, int c, const char *ix, const char *v) {
-  ec_line(core, "b%d[%s] = %s;", c_ptr((Emit *)core, c), ix, ec_store(core, c, v));
+  const IrNode *nd = ec_node(core, c);
+  bool rounded = nd->op == OP_CAST && nd->ia[0] == DT_BF16 && nd->dtype == DT_BF16;
+  ec_line(core, "b%d[%s] = %s;", c_ptr((Emit *)core, c), ix,
+          rounded ? ec_str(core, "mdl_bf16_bits(%s)", v) : ec_store(core, c, v));
 }
 
 const char *c_base(EmitCore *core, int n) { return ec_str(core, "b%d", c_ptr((Emit *)core, n)); }

@@ -1034,9 +1034,11 @@ bool ec_concat_direct(EmitCore *e, int n) {
   return direct;
 }
 
-// Of such a CONCAT (ec_concat_direct), a pointer to its element at ix, in the part the index falls in,
-// so that one load reads it instead of one from each part; NULL for any other node.
-const char *ec_concat_ptr(EmitCore *e, int n, const char *ix) {
+// Of such a CONCAT (ec_concat_direct), its element at ix from the part the index falls in: a pointer
+// to it (values false), so that one load reads it instead of one from each part, or its value, a
+// select among loads that each part guards (values true; see EmitCore.concat_values); NULL for any
+// other node.
+static const char *concat_select(EmitCore *e, int n, const char *ix, bool values) {
   if (!ec_concat_direct(e, n))
     return NULL;
   const IrNode *nd = ec_node(e, n);
@@ -1046,17 +1048,25 @@ const char *ec_concat_ptr(EmitCore *e, int n, const char *ix) {
   ec_bput(&b, "(");
   int64_t at = 0;
   for (int k = 0; k < nd->nin; k++) {
-    int64_t len = ec_node(e, nd->in[k])->shape.d[ax];
+    int part = ec_canon(e, nd->in[k]);
+    int64_t len = ec_node(e, nd->in[k])->shape.d[ax]; // (the part's length as the CONCAT reads it, not its view's)
     if (k + 1 < nd->nin)
       ec_bput(&b, "%s < %lld ? ", c, (long long)(at + len));
-    ec_bput(&b, "%s + (", e->base(e, ec_canon(e, nd->in[k])));
-    part_index(e, &b, nd->shape, ax, ix, c, at, len);
-    ec_bput(&b, ")%s", k + 1 < nd->nin ? " : " : "");
+    Buf i = {0};
+    part_index(e, &i, nd->shape, ax, ix, c, at, len);
+    const char *at_ix = ec_buf_str(e, &i);
+    if (values)
+      ec_bput(&b, "%s", ec_load(e, part, ec_str(e, "%s[%s]", e->base(e, part), at_ix)));
+    else
+      ec_bput(&b, "%s + (%s)", e->base(e, part), at_ix);
+    ec_bput(&b, "%s", k + 1 < nd->nin ? " : " : "");
     at += len;
   }
   ec_bput(&b, ")");
   return ec_buf_str(e, &b);
 }
+
+const char *ec_concat_ptr(EmitCore *e, int n, const char *ix) { return concat_select(e, n, ix, false); }
 
 // An i32 CONST as a literal of its value (INT32_MIN spelled so that it is an int).
 const char *ec_ilit(EmitCore *e, double v) {
@@ -1180,7 +1190,9 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
                   e->val(e, nd->in[0], j), nd->dtype == DT_I32 ? "0" : "0.0f");
   }
   case OP_CONCAT: {
-    const char *p = ec_concat_ptr(e, c, ix);
+    const char *p = concat_select(e, c, ix, e->concat_values);
+    if (p && e->concat_values) // (a select among the parts' loads, each guarded)
+      return p;
     if (p) // (one load, through the pointer of the part the index falls in)
       return ec_load(e, ec_canon(e, nd->in[0]), ec_str(e, "%s[0]", p));
     int ax = (int)nd->ia[0];

@@ -117,6 +117,7 @@ struct EmitCore {
   // a CAST to fp8 of the value x (mdl.h): the rounded scaled value, its amax recorded; NULL where the
   // target has no fp8
   const char *(*fp8_cast)(EmitCore *e, const IrNode *cast, const char *x);
+  bool concat_values; // a CONCAT read selects among its parts' values (EmitTarget.concat_values)
 
   const Fusion *f;
   const MemPlan *m;

@@ -15,7 +15,8 @@
 void ew_open(EmitCore *e, const EmitTarget *t, const Fusion *f, const MemPlan *m) {
   size_t n = (size_t)f->g->n;
   *e = (EmitCore){.target = t, .f = f, .m = m, .g = f->g, .a = arena_new(), .val = ew_val, .seed = t->seed,
-                  .base = t->base, .fp8_cast = t->fp8_cast, .ixt = "int64_t"};
+                  .base = t->base, .fp8_cast = t->fp8_cast, .concat_values = t->concat_values,
+                  .ixt = "int64_t"};
   e->in_step = ec_xcalloc(n, sizeof *e->in_step);
   e->grp = ec_xcalloc(n, sizeof *e->grp);
   e->spill = ec_xcalloc(n, sizeof *e->spill);

@@ -22,6 +22,10 @@ typedef enum {
 // Every hook gets the target's state as its EmitCore (its first member, core).
 struct EmitTarget {
   bool narrow_ix; // index variables are int where a step's tensors allow it (e->ixt), else int64_t
+  // A CONCAT of parts in memory read element by element selects among its parts' values (a load from
+  // each, which a CPU's compiler turns into masked vector loads), not among pointers to them (one
+  // load through the selected pointer: what a GPU thread wants, and a scalar load on a CPU).
+  bool concat_values;
 
   // The evaluator's (EmitCore.seed, base, fp8_cast).
   const char *(*seed)(EmitCore *e);

@@ -263,6 +263,14 @@ static inline uint16_t mdl_f32_to_bf16(float x) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// The bits of x when x is already a bf16 value (a CAST's, rounded by mdl_f32_to_bf16 and widened):
+// the upper half of its f32 bits, what mdl_f32_to_bf16 would give again, without its rounding.
+static inline uint16_t mdl_bf16_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
 static inline float mdl_bf16_to_f32(uint16_t h) {
   const uint32_t u = (uint32_t)h << 16;
   float x;
@@ -409,7 +417,7 @@ MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = r * 64 + j;
         const float v22_ix = y[j];
         const float v23_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v22_ix));
-        b23[ix] = mdl_f32_to_bf16(v23_ix);
+        b23[ix] = mdl_bf16_bits(v23_ix);
       }
     }
     mdl_free(xrow);
@@ -447,7 +455,7 @@ MDL_FN void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64
       const float v12_c = b12[c];
       const float v27_i = v26_i + v12_c;
       const float v28_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v27_i));
-      b28[i] = mdl_f32_to_bf16(v28_i);
+      b28[i] = mdl_bf16_bits(v28_i);
     }
   }
   mdl_free(b25);
@@ -661,7 +669,7 @@ MDL_FN void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const i
         const int64_t ix = r * 64 + j;
         const float v41_ix = y[j];
         const float v42_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v41_ix));
-        b42[ix] = mdl_f32_to_bf16(v42_ix);
+        b42[ix] = mdl_bf16_bits(v42_ix);
       }
     }
     mdl_free(yrow);
@@ -713,7 +721,7 @@ MDL_FN void k7_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const
       const float v47_i = mdl_gelu(v46_i);
       const float v48_i = v47_i;
       const float v49_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v48_i));
-      b49[i] = mdl_f32_to_bf16(v49_i);
+      b49[i] = mdl_bf16_bits(v49_i);
     }
   }
 }
@@ -815,7 +823,7 @@ MDL_FN void k9_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const i
         const int64_t ix = r * 64 + j;
         const float v68_ix = y[j];
         const float v69_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v68_ix));
-        b69[ix] = mdl_f32_to_bf16(v69_ix);
+        b69[ix] = mdl_bf16_bits(v69_ix);
       }
     }
     mdl_free(yrow);
@@ -1219,7 +1227,7 @@ MDL_FN void k21_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = r * 64 + j;
         const float v129_ix = dx[j];
         const float v131_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v129_ix));
-        b131[ix] = mdl_f32_to_bf16(v131_ix);
+        b131[ix] = mdl_bf16_bits(v131_ix);
         sa0[j] += v129_ix;
       }
     }
@@ -1310,7 +1318,7 @@ MDL_FN void k23_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, 
           const float v136_ix = v135_ix;
           const float v = v136_ix;
           const float v138_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v136_ix));
-          b138[ix] = mdl_f32_to_bf16(v138_ix);
+          b138[ix] = mdl_bf16_bits(v138_ix);
           p[c] += v;
         }
       }
@@ -1465,7 +1473,7 @@ MDL_FN void k26_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks 
           b145[ix] = v145_ix;
           const float v146_ix = v145_ix;
           const float v148_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v146_ix));
-          b148[ix] = mdl_f32_to_bf16(v148_ix);
+          b148[ix] = mdl_bf16_bits(v148_ix);
           sa0[j] += v146_ix;
         }
       }
@@ -1560,7 +1568,7 @@ MDL_FN void k28_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *
       const float v149_i = b149[i];
       const float v151_i = v149_i;
       const float v154_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v151_i));
-      b154[i] = mdl_f32_to_bf16(v154_i);
+      b154[i] = mdl_bf16_bits(v154_i);
     }
   }
   mdl_free(b149);
@@ -1746,11 +1754,11 @@ MDL_FN void k30_sum__concat__cast__code(char *arena, const MdlHooks *h, const in
       for (int64_t l = k * 16; l < end; l++) {
         for (int64_t c = 0; c < 192; c++) {
           const int64_t ix = l * 192 + c;
-          const float v158_ix = (c < 64 ? b155 + (l * 64 + c) : c < 128 ? b156 + (l * 64 + (c - 64)) : b157 + (l * 64 + (c - 128)))[0];
+          const float v158_ix = (c < 64 ? b155[l * 64 + c] : c < 128 ? b156[l * 64 + (c - 64)] : b157[l * 64 + (c - 128)]);
           const float v159_ix = v158_ix;
           const float v = v159_ix;
           const float v161_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v159_ix));
-          b161[ix] = mdl_f32_to_bf16(v161_ix);
+          b161[ix] = mdl_bf16_bits(v161_ix);
           p[c] += v;
         }
       }
@@ -1908,7 +1916,7 @@ MDL_FN void k33_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
           b168[ix] = v168_ix;
           const float v169_ix = v168_ix;
           const float v171_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v169_ix));
-          b171[ix] = mdl_f32_to_bf16(v171_ix);
+          b171[ix] = mdl_bf16_bits(v171_ix);
           sa0[j] += v169_ix;
         }
       }

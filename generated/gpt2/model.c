@@ -263,6 +263,14 @@ static inline uint16_t mdl_f32_to_bf16(float x) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// The bits of x when x is already a bf16 value (a CAST's, rounded by mdl_f32_to_bf16 and widened):
+// the upper half of its f32 bits, what mdl_f32_to_bf16 would give again, without its rounding.
+static inline uint16_t mdl_bf16_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
 static inline float mdl_bf16_to_f32(uint16_t h) {
   const uint32_t u = (uint32_t)h << 16;
   float x;
@@ -460,7 +468,7 @@ MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = r * 768 + j;
         const float v22_ix = y[j];
         const float v23_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v22_ix));
-        b23[ix] = mdl_f32_to_bf16(v23_ix);
+        b23[ix] = mdl_bf16_bits(v23_ix);
       }
     }
     mdl_free(xrow);
@@ -500,7 +508,7 @@ MDL_FN void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64
       const float v12_c = b12[c];
       const float v27_i = v26_i + v12_c;
       const float v28_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v27_i));
-      b28[i] = mdl_f32_to_bf16(v28_i);
+      b28[i] = mdl_bf16_bits(v28_i);
     }
   }
   mdl_free(b25);
@@ -795,7 +803,7 @@ MDL_FN void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const i
         const int64_t ix = r * 768 + j;
         const float v41_ix = y[j];
         const float v42_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v41_ix));
-        b42[ix] = mdl_f32_to_bf16(v42_ix);
+        b42[ix] = mdl_bf16_bits(v42_ix);
       }
     }
     mdl_free(yrow);
@@ -849,7 +857,7 @@ MDL_FN void k7_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, const
       const float v47_i = mdl_gelu(v46_i);
       const float v48_i = v47_i;
       const float v49_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v48_i));
-      b49[i] = mdl_f32_to_bf16(v49_i);
+      b49[i] = mdl_bf16_bits(v49_i);
     }
   }
 }
@@ -954,7 +962,7 @@ MDL_FN void k9_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const i
         const int64_t ix = r * 768 + j;
         const float v68_ix = y[j];
         const float v69_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v68_ix));
-        b69[ix] = mdl_f32_to_bf16(v69_ix);
+        b69[ix] = mdl_bf16_bits(v69_ix);
       }
     }
     mdl_free(yrow);
@@ -2414,7 +2422,7 @@ MDL_FN void k91_layernorm_bwd__sum__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = r * 768 + j;
         const float v589_ix = dx[j];
         const float v591_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v589_ix));
-        b591[ix] = mdl_f32_to_bf16(v591_ix);
+        b591[ix] = mdl_bf16_bits(v591_ix);
         sa0[j] += v589_ix;
       }
     }
@@ -2510,7 +2518,7 @@ MDL_FN void k93_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, 
           const float v596_ix = v595_ix;
           const float v = v596_ix;
           const float v598_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v596_ix));
-          b598[ix] = mdl_f32_to_bf16(v598_ix);
+          b598[ix] = mdl_bf16_bits(v598_ix);
           p[c] += v;
         }
       }
@@ -2671,7 +2679,7 @@ MDL_FN void k96_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks 
           b605[ix] = v605_ix;
           const float v606_ix = v605_ix;
           const float v608_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v606_ix));
-          b608[ix] = mdl_f32_to_bf16(v608_ix);
+          b608[ix] = mdl_bf16_bits(v608_ix);
           sa0[j] += v606_ix;
         }
       }
@@ -2769,7 +2777,7 @@ MDL_FN void k98_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *
       const float v609_i = b609[i];
       const float v611_i = v609_i;
       const float v614_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v611_i));
-      b614[i] = mdl_f32_to_bf16(v614_i);
+      b614[i] = mdl_bf16_bits(v614_i);
     }
   }
   mdl_free(b609);
@@ -3038,7 +3046,7 @@ MDL_FN void k99_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 12 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k100_sum__concat__cast's):
 // k100_sum__concat__cast k112_sum__concat__cast k124_sum__concat__cast k136_sum__concat__cast
@@ -3061,11 +3069,11 @@ MDL_FN void k100_sum__concat__cast__code(char *arena, const MdlHooks *h, const i
       for (int64_t l = k * 128; l < end; l++) {
         for (int64_t c = 0; c < 2304; c++) {
           const int64_t ix = l * 2304 + c;
-          const float v618_ix = (c < 768 ? b615 + (l * 768 + c) : c < 1536 ? b616 + (l * 768 + (c - 768)) : b617 + (l * 768 + (c - 1536)))[0];
+          const float v618_ix = (c < 768 ? b615[l * 768 + c] : c < 1536 ? b616[l * 768 + (c - 768)] : b617[l * 768 + (c - 1536)]);
           const float v619_ix = v618_ix;
           const float v = v619_ix;
           const float v621_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v619_ix));
-          b621[ix] = mdl_f32_to_bf16(v621_ix);
+          b621[ix] = mdl_bf16_bits(v621_ix);
           p[c] += v;
         }
       }
@@ -3222,7 +3230,7 @@ MDL_FN void k103_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks
           b628[ix] = v628_ix;
           const float v629_ix = v628_ix;
           const float v631_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v629_ix));
-          b631[ix] = mdl_f32_to_bf16(v631_ix);
+          b631[ix] = mdl_bf16_bits(v631_ix);
           sa0[j] += v629_ix;
         }
       }
@@ -3367,7 +3375,7 @@ MDL_FN void k111_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k112_sum__concat__cast: kernel, 4 ops
 //   %658   concat                                  line 38    f32[8,1024,2304]
 //   %659   reshape                                 line 38    f32[8192,2304]
@@ -3525,7 +3533,7 @@ MDL_FN void k123_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k124_sum__concat__cast: kernel, 4 ops
 //   %698   concat                                  line 38    f32[8,1024,2304]
 //   %699   reshape                                 line 38    f32[8192,2304]
@@ -3683,7 +3691,7 @@ MDL_FN void k135_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k136_sum__concat__cast: kernel, 4 ops
 //   %738   concat                                  line 38    f32[8,1024,2304]
 //   %739   reshape                                 line 38    f32[8192,2304]
@@ -3841,7 +3849,7 @@ MDL_FN void k147_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k148_sum__concat__cast: kernel, 4 ops
 //   %778   concat                                  line 38    f32[8,1024,2304]
 //   %779   reshape                                 line 38    f32[8192,2304]
@@ -3999,7 +4007,7 @@ MDL_FN void k159_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k160_sum__concat__cast: kernel, 4 ops
 //   %818   concat                                  line 38    f32[8,1024,2304]
 //   %819   reshape                                 line 38    f32[8192,2304]
@@ -4157,7 +4165,7 @@ MDL_FN void k171_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k172_sum__concat__cast: kernel, 4 ops
 //   %858   concat                                  line 38    f32[8,1024,2304]
 //   %859   reshape                                 line 38    f32[8192,2304]
@@ -4315,7 +4323,7 @@ MDL_FN void k183_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k184_sum__concat__cast: kernel, 4 ops
 //   %898   concat                                  line 38    f32[8,1024,2304]
 //   %899   reshape                                 line 38    f32[8192,2304]
@@ -4473,7 +4481,7 @@ MDL_FN void k195_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k196_sum__concat__cast: kernel, 4 ops
 //   %938   concat                                  line 38    f32[8,1024,2304]
 //   %939   reshape                                 line 38    f32[8192,2304]
@@ -4631,7 +4639,7 @@ MDL_FN void k207_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k208_sum__concat__cast: kernel, 4 ops
 //   %978   concat                                  line 38    f32[8,1024,2304]
 //   %979   reshape                                 line 38    f32[8192,2304]
@@ -4789,7 +4797,7 @@ MDL_FN void k219_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k220_sum__concat__cast: kernel, 4 ops
 //   %1018  concat                                  line 38    f32[8,1024,2304]
 //   %1019  reshape                                 line 38    f32[8192,2304]
@@ -4947,7 +4955,7 @@ MDL_FN void k231_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k232_sum__concat__cast: kernel, 4 ops
 //   %1058  concat                                  line 38    f32[8,1024,2304]
 //   %1059  reshape                                 line 38    f32[8192,2304]
@@ -5106,7 +5114,7 @@ MDL_FN void k236_embed_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k237_embed_bwd__add: kernel, 2 ops
 //   %1070  embed_bwd                               line 22    f32[50257,768]
 //   %1071  add                d.wte                line 19    f32[50257,768]

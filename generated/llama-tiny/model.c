@@ -263,6 +263,14 @@ static inline uint16_t mdl_f32_to_bf16(float x) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// The bits of x when x is already a bf16 value (a CAST's, rounded by mdl_f32_to_bf16 and widened):
+// the upper half of its f32 bits, what mdl_f32_to_bf16 would give again, without its rounding.
+static inline uint16_t mdl_bf16_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
 static inline float mdl_bf16_to_f32(uint16_t h) {
   const uint32_t u = (uint32_t)h << 16;
   float x;
@@ -372,13 +380,13 @@ MDL_FN void k1_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int
         const int64_t ix = r * 64 + j;
         const float v16_ix = y[j];
         const float v17_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v16_ix));
-        b17[ix] = mdl_f32_to_bf16(v17_ix);
+        b17[ix] = mdl_bf16_bits(v17_ix);
         const float v22_ix = y[j];
         const float v23_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v22_ix));
-        b23[ix] = mdl_f32_to_bf16(v23_ix);
+        b23[ix] = mdl_bf16_bits(v23_ix);
         const float v28_ix = y[j];
         const float v29_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v28_ix));
-        b29[ix] = mdl_f32_to_bf16(v29_ix);
+        b29[ix] = mdl_bf16_bits(v29_ix);
       }
     }
     mdl_free(yrow);
@@ -442,7 +450,7 @@ MDL_FN void k3_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // The loops of 4 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k4_rope__cast's):
 // k4_rope__cast k5_rope__cast k16_rope__cast k17_rope__cast
@@ -473,7 +481,7 @@ MDL_FN void k4_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o
       const int64_t i = r * 64 + c;
       const float v21_i = b21[i];
       const float v33_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v21_i));
-      b33[i] = mdl_f32_to_bf16(v33_i);
+      b33[i] = mdl_bf16_bits(v33_i);
     }
   }
   mdl_free(b21);
@@ -491,7 +499,7 @@ MDL_FN void k4_rope__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k5_rope__cast: kernel, 2 ops
 //   %27    rope               layers.0.k           line 37    f32[8,64,64]
 //   %34    cast                                    line 38    bf16[8,64,64]
@@ -530,7 +538,7 @@ MDL_FN void k6_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o
       const float v31_i = b31[i];
       const float v32_i = v31_i;
       const float v35_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v32_i));
-      b35[i] = mdl_f32_to_bf16(v35_i);
+      b35[i] = mdl_bf16_bits(v35_i);
     }
   }
   mdl_free(b31);
@@ -710,7 +718,7 @@ MDL_FN void k8_gemm__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k9_rmsnorm_fwd__cast's):
 // k9_rmsnorm_fwd__cast k21_rmsnorm_fwd__cast
@@ -737,10 +745,10 @@ MDL_FN void k9_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int
         const int64_t ix = r * 64 + j;
         const float v44_ix = y[j];
         const float v45_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v44_ix));
-        b45[ix] = mdl_f32_to_bf16(v45_ix);
+        b45[ix] = mdl_bf16_bits(v45_ix);
         const float v50_ix = y[j];
         const float v51_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v50_ix));
-        b51[ix] = mdl_f32_to_bf16(v51_ix);
+        b51[ix] = mdl_bf16_bits(v51_ix);
       }
     }
     mdl_free(yrow);
@@ -823,7 +831,7 @@ MDL_FN void k11_gemm__silu__mul__cast__code(char *arena, const MdlHooks *h, cons
       const float v55_i = v49_i * v53_i;
       const float v56_i = v55_i;
       const float v57_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v56_i));
-      b57[i] = mdl_f32_to_bf16(v57_i);
+      b57[i] = mdl_bf16_bits(v57_i);
     }
   }
 }
@@ -928,7 +936,7 @@ MDL_FN void k15_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k16_rope__cast: kernel, 2 ops
 //   %77    rope               layers.1.q           line 36    f32[8,64,64]
 //   %89    cast                                    line 38    bf16[8,64,64]
@@ -941,7 +949,7 @@ MDL_FN void k16_rope__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k17_rope__cast: kernel, 2 ops
 //   %83    rope               layers.1.k           line 37    f32[8,64,64]
 //   %90    cast                                    line 38    bf16[8,64,64]
@@ -996,7 +1004,7 @@ MDL_FN void k20_gemm__add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // k21_rmsnorm_fwd__cast: kernel, 5 ops
 //   %99    rmsnorm            layers.1.a           line 39    f32[8,64,64]
 //   %100   reshape                                 line 40    f32[512,64]
@@ -1081,7 +1089,7 @@ MDL_FN void k25_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = r * 64 + j;
         const float v121_ix = y[j];
         const float v122_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v121_ix));
-        b122[ix] = mdl_f32_to_bf16(v122_ix);
+        b122[ix] = mdl_bf16_bits(v122_ix);
       }
     }
     mdl_free(yrow);
@@ -1356,7 +1364,7 @@ MDL_FN void k30_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = r * 64 + j;
         const float v145_ix = dx[j];
         const float v146_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v145_ix));
-        b146[ix] = mdl_f32_to_bf16(v146_ix);
+        b146[ix] = mdl_bf16_bits(v146_ix);
       }
     }
   }
@@ -1433,7 +1441,7 @@ MDL_FN void k32_gemm__mul__silu_bwd__cast__code(char *arena, const MdlHooks *h, 
       const float v157_i = mdl_silu_grad(v103_i, v150_i);
       const float v158_i = v157_i;
       const float v159_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v158_i));
-      b159[i] = mdl_f32_to_bf16(v159_i);
+      b159[i] = mdl_bf16_bits(v159_i);
     }
   }
 }
@@ -1470,7 +1478,7 @@ MDL_FN void k33_cast__mul__code(char *arena, const MdlHooks *h, const int64_t *o
       const float v151_i = v147_i * v105_i;
       const float v152_i = v151_i;
       const float v153_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v152_i));
-      b153[i] = mdl_f32_to_bf16(v153_i);
+      b153[i] = mdl_bf16_bits(v153_i);
     }
   }
 }
@@ -1650,7 +1658,7 @@ MDL_FN void k38_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, con
           b166[ix] = v166_ix;
           const float v167_ix = v166_ix;
           const float v168_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v167_ix));
-          b168[ix] = mdl_f32_to_bf16(v168_ix);
+          b168[ix] = mdl_bf16_bits(v168_ix);
         }
       }
     }
@@ -1736,7 +1744,7 @@ MDL_FN void k40_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *
       const float v169_i = b169[i];
       const float v171_i = v169_i;
       const float v174_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v171_i));
-      b174[i] = mdl_f32_to_bf16(v174_i);
+      b174[i] = mdl_bf16_bits(v174_i);
     }
   }
   mdl_free(b169);
@@ -1916,7 +1924,7 @@ MDL_FN void k42_cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
       const int64_t i = r * 64 + c;
       const float v177_i = b177[i];
       const float v179_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v177_i));
-      b179[i] = mdl_f32_to_bf16(v179_i);
+      b179[i] = mdl_bf16_bits(v179_i);
     }
   }
 }
@@ -1974,7 +1982,7 @@ MDL_FN void k44_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *
       const float v183_i = b183[i];
       const float v184_i = v183_i;
       const float v185_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v184_i));
-      b185[i] = mdl_f32_to_bf16(v185_i);
+      b185[i] = mdl_bf16_bits(v185_i);
     }
   }
   mdl_free(b183);
@@ -2171,7 +2179,7 @@ MDL_FN void k51_rmsnorm_bwd__add__cast(char *arena, const MdlHooks *h) {
           b199[ix] = v199_ix;
           const float v200_ix = v199_ix;
           const float v201_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v200_ix));
-          b201[ix] = mdl_f32_to_bf16(v201_ix);
+          b201[ix] = mdl_bf16_bits(v201_ix);
         }
       }
     }

@@ -263,6 +263,14 @@ static inline uint16_t mdl_f32_to_bf16(float x) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// The bits of x when x is already a bf16 value (a CAST's, rounded by mdl_f32_to_bf16 and widened):
+// the upper half of its f32 bits, what mdl_f32_to_bf16 would give again, without its rounding.
+static inline uint16_t mdl_bf16_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
 static inline float mdl_bf16_to_f32(uint16_t h) {
   const uint32_t u = (uint32_t)h << 16;
   float x;
@@ -441,13 +449,13 @@ MDL_FN void k1_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int
         const int64_t ix = r * 768 + j;
         const float v16_ix = y[j];
         const float v17_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v16_ix));
-        b17[ix] = mdl_f32_to_bf16(v17_ix);
+        b17[ix] = mdl_bf16_bits(v17_ix);
         const float v22_ix = y[j];
         const float v23_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v22_ix));
-        b23[ix] = mdl_f32_to_bf16(v23_ix);
+        b23[ix] = mdl_bf16_bits(v23_ix);
         const float v28_ix = y[j];
         const float v29_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v28_ix));
-        b29[ix] = mdl_f32_to_bf16(v29_ix);
+        b29[ix] = mdl_bf16_bits(v29_ix);
       }
     }
     mdl_free(yrow);
@@ -564,7 +572,7 @@ MDL_FN void k4_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o
       const int64_t i = r * 768 + c;
       const float v21_i = b21[i];
       const float v33_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v21_i));
-      b33[i] = mdl_f32_to_bf16(v33_i);
+      b33[i] = mdl_bf16_bits(v33_i);
     }
   }
   mdl_free(b21);
@@ -614,7 +622,7 @@ MDL_FN void k5_rope__cast__code(char *arena, const MdlHooks *h, const int64_t *o
       const int64_t i = r * 256 + c;
       const float v27_i = b27[i];
       const float v34_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v27_i));
-      b34[i] = mdl_f32_to_bf16(v34_i);
+      b34[i] = mdl_bf16_bits(v34_i);
     }
   }
   mdl_free(b27);
@@ -659,7 +667,7 @@ MDL_FN void k6_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *o
       const float v31_i = b31[i];
       const float v32_i = v31_i;
       const float v35_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v32_i));
-      b35[i] = mdl_f32_to_bf16(v35_i);
+      b35[i] = mdl_bf16_bits(v35_i);
     }
   }
   mdl_free(b31);
@@ -948,10 +956,10 @@ MDL_FN void k9_rmsnorm_fwd__cast__code(char *arena, const MdlHooks *h, const int
         const int64_t ix = r * 768 + j;
         const float v44_ix = y[j];
         const float v45_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v44_ix));
-        b45[ix] = mdl_f32_to_bf16(v45_ix);
+        b45[ix] = mdl_bf16_bits(v45_ix);
         const float v50_ix = y[j];
         const float v51_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v50_ix));
-        b51[ix] = mdl_f32_to_bf16(v51_ix);
+        b51[ix] = mdl_bf16_bits(v51_ix);
       }
     }
     mdl_free(yrow);
@@ -1037,7 +1045,7 @@ MDL_FN void k11_gemm__silu__mul__cast__code(char *arena, const MdlHooks *h, cons
       const float v55_i = v49_i * v53_i;
       const float v56_i = v55_i;
       const float v57_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v56_i));
-      b57[i] = mdl_f32_to_bf16(v57_i);
+      b57[i] = mdl_bf16_bits(v57_i);
     }
   }
 }
@@ -2926,7 +2934,7 @@ MDL_FN void k145_rmsnorm_fwd__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = r * 768 + j;
         const float v681_ix = y[j];
         const float v682_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v681_ix));
-        b682[ix] = mdl_f32_to_bf16(v682_ix);
+        b682[ix] = mdl_bf16_bits(v682_ix);
       }
     }
     mdl_free(yrow);
@@ -3227,7 +3235,7 @@ MDL_FN void k150_rmsnorm_bwd__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = r * 768 + j;
         const float v705_ix = dx[j];
         const float v706_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v705_ix));
-        b706[ix] = mdl_f32_to_bf16(v706_ix);
+        b706[ix] = mdl_bf16_bits(v706_ix);
       }
     }
   }
@@ -3309,7 +3317,7 @@ MDL_FN void k152_gemm__mul__silu_bwd__cast__code(char *arena, const MdlHooks *h,
       const float v717_i = mdl_silu_grad(v663_i, v710_i);
       const float v718_i = v717_i;
       const float v719_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v718_i));
-      b719[i] = mdl_f32_to_bf16(v719_i);
+      b719[i] = mdl_bf16_bits(v719_i);
     }
   }
 }
@@ -3347,7 +3355,7 @@ MDL_FN void k153_cast__mul__code(char *arena, const MdlHooks *h, const int64_t *
       const float v711_i = v707_i * v665_i;
       const float v712_i = v711_i;
       const float v713_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v712_i));
-      b713[i] = mdl_f32_to_bf16(v713_i);
+      b713[i] = mdl_bf16_bits(v713_i);
     }
   }
 }
@@ -3534,7 +3542,7 @@ MDL_FN void k158_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, co
           b726[ix] = v726_ix;
           const float v727_ix = v726_ix;
           const float v728_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v727_ix));
-          b728[ix] = mdl_f32_to_bf16(v728_ix);
+          b728[ix] = mdl_bf16_bits(v728_ix);
         }
       }
     }
@@ -3624,7 +3632,7 @@ MDL_FN void k160_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t 
       const float v729_i = b729[i];
       const float v731_i = v729_i;
       const float v734_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v731_i));
-      b734[i] = mdl_f32_to_bf16(v734_i);
+      b734[i] = mdl_bf16_bits(v734_i);
     }
   }
   mdl_free(b729);
@@ -3913,7 +3921,7 @@ MDL_FN void k162_cast__code(char *arena, const MdlHooks *h, const int64_t *o) {
       const int64_t i = r * 256 + c;
       const float v737_i = b737[i];
       const float v739_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v737_i));
-      b739[i] = mdl_f32_to_bf16(v739_i);
+      b739[i] = mdl_bf16_bits(v739_i);
     }
   }
 }
@@ -3993,7 +4001,7 @@ MDL_FN void k164_rope__cast__code(char *arena, const MdlHooks *h, const int64_t 
       const float v743_i = b743[i];
       const float v744_i = v743_i;
       const float v745_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v744_i));
-      b745[i] = mdl_f32_to_bf16(v745_i);
+      b745[i] = mdl_bf16_bits(v745_i);
     }
   }
   mdl_free(b743);
@@ -4087,7 +4095,7 @@ MDL_FN void k167_rope__cast__code(char *arena, const MdlHooks *h, const int64_t 
       const float v749_i = b749[i];
       const float v750_i = v749_i;
       const float v751_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v750_i));
-      b751[i] = mdl_f32_to_bf16(v751_i);
+      b751[i] = mdl_bf16_bits(v751_i);
     }
   }
   mdl_free(b749);
@@ -4248,7 +4256,7 @@ MDL_FN void k171_rmsnorm_bwd__add__cast__code(char *arena, const MdlHooks *h, co
           b759[ix] = v759_ix;
           const float v760_ix = v759_ix;
           const float v761_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v760_ix));
-          b761[ix] = mdl_f32_to_bf16(v761_ix);
+          b761[ix] = mdl_bf16_bits(v761_ix);
         }
       }
     }

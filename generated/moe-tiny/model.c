@@ -263,6 +263,14 @@ static inline uint16_t mdl_f32_to_bf16(float x) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// The bits of x when x is already a bf16 value (a CAST's, rounded by mdl_f32_to_bf16 and widened):
+// the upper half of its f32 bits, what mdl_f32_to_bf16 would give again, without its rounding.
+static inline uint16_t mdl_bf16_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
 static inline float mdl_bf16_to_f32(uint16_t h) {
   const uint32_t u = (uint32_t)h << 16;
   float x;
@@ -421,7 +429,7 @@ MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
         const int64_t ix = r * 64 + j;
         const float v23_ix = y[j];
         const float v24_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v23_ix));
-        b24[ix] = mdl_f32_to_bf16(v24_ix);
+        b24[ix] = mdl_bf16_bits(v24_ix);
       }
     }
     mdl_free(xrow);
@@ -459,7 +467,7 @@ MDL_FN void k3_gemm__add__cast__code(char *arena, const MdlHooks *h, const int64
       const float v12_c = b12[c];
       const float v28_i = v27_i + v12_c;
       const float v29_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v28_i));
-      b29[i] = mdl_f32_to_bf16(v29_i);
+      b29[i] = mdl_bf16_bits(v29_i);
     }
   }
   mdl_free(b26);
@@ -670,7 +678,7 @@ MDL_FN void k6_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const i
     for (int64_t j = 0; j < 64; j++) {
       const int64_t ix = r * 64 + j;
       const float v43_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(y[j]));
-      b43[ix] = mdl_f32_to_bf16(v43_ix);
+      b43[ix] = mdl_bf16_bits(v43_ix);
     }
   }
 }
@@ -1118,7 +1126,7 @@ MDL_FN void k19_gather__cast__code(char *arena, const MdlHooks *h, const int64_t
       const float v63_i = b63[i];
       const float v64_i = v63_i;
       const float v65_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v64_i));
-      b65[i] = mdl_f32_to_bf16(v65_i);
+      b65[i] = mdl_bf16_bits(v65_i);
     }
   }
   mdl_free(b63);
@@ -1137,7 +1145,7 @@ MDL_FN void k19_gather__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k20_gemm__add__gelu__cast's):
 // k20_gemm__add__gelu__cast k42_gemm__add__gelu__cast
@@ -1173,7 +1181,7 @@ MDL_FN void k20_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, cons
       b68[i] = v68_i;
       const float v69_i = mdl_gelu(v68_i);
       const float v70_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v69_i));
-      b70[i] = mdl_f32_to_bf16(v70_i);
+      b70[i] = mdl_bf16_bits(v70_i);
     }
   }
 }
@@ -1361,7 +1369,7 @@ MDL_FN void k24_layernorm_fwd__cast__code(char *arena, const MdlHooks *h, const 
         const int64_t ix = r * 64 + j;
         const float v104_ix = y[j];
         const float v105_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v104_ix));
-        b105[ix] = mdl_f32_to_bf16(v105_ix);
+        b105[ix] = mdl_bf16_bits(v105_ix);
       }
     }
     mdl_free(yrow);
@@ -1586,7 +1594,7 @@ MDL_FN void k41_gather__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k42_gemm__add__gelu__cast: GEMM, 4 ops
 //   %148   matmul                                  line 70    f32[4,320,128]
 //   %149   add                                     line 70    f32[4,320,128]
@@ -2179,7 +2187,7 @@ MDL_FN void k59_sum__mul__cast__code(char *arena, const MdlHooks *h, const int64
       const float v223_ix = v220_ix * v142_j1;
       const float v = v223_ix;
       const float v228_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v223_ix));
-      b228[ix] = mdl_f32_to_bf16(v228_ix);
+      b228[ix] = mdl_bf16_bits(v228_ix);
       acc += v;
     }
     const float y = (float)acc;
@@ -2269,7 +2277,7 @@ MDL_FN void k61_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, 
       const float v231_ix = mdl_gelu_grad(v149_ix) * v229_ix;
       const float v = v231_ix;
       const float v233_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v231_ix));
-      b233[ix] = mdl_f32_to_bf16(v233_ix);
+      b233[ix] = mdl_bf16_bits(v233_ix);
       acc += v;
     }
     const float y = (float)acc;
@@ -2579,7 +2587,7 @@ MDL_FN void k70_softmax_bwd__cast__code(char *arena, const MdlHooks *h, const in
       for (int64_t j = 0; j < 4; j++) {
         const int64_t ix = r * 4 + j;
         const float v246_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(out[j]));
-        b246[ix] = mdl_f32_to_bf16(v246_ix);
+        b246[ix] = mdl_bf16_bits(v246_ix);
       }
     }
     mdl_free(yrow);
@@ -2731,7 +2739,7 @@ MDL_FN void k73_layernorm_bwd__add__sum__cast__code(char *arena, const MdlHooks 
           b254[ix] = v254_ix;
           const float v255_ix = v254_ix;
           const float v257_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v255_ix));
-          b257[ix] = mdl_f32_to_bf16(v257_ix);
+          b257[ix] = mdl_bf16_bits(v257_ix);
           sa0[j] += v255_ix;
         }
       }
@@ -2826,7 +2834,7 @@ MDL_FN void k75_gemm__cast__code(char *arena, const MdlHooks *h, const int64_t *
       const float v258_i = b258[i];
       const float v260_i = v258_i;
       const float v263_i = mdl_bf16_to_f32(mdl_f32_to_bf16(v260_i));
-      b263[i] = mdl_f32_to_bf16(v263_i);
+      b263[i] = mdl_bf16_bits(v263_i);
     }
   }
   mdl_free(b258);
@@ -2991,7 +2999,7 @@ MDL_FN void k76_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k77_sum__concat__cast's):
 // k77_sum__concat__cast k103_sum__concat__cast
@@ -3012,11 +3020,11 @@ MDL_FN void k77_sum__concat__cast__code(char *arena, const MdlHooks *h, const in
       for (int64_t l = k * 16; l < end; l++) {
         for (int64_t c = 0; c < 192; c++) {
           const int64_t ix = l * 192 + c;
-          const float v267_ix = (c < 64 ? b264 + (l * 64 + c) : c < 128 ? b265 + (l * 64 + (c - 64)) : b266 + (l * 64 + (c - 128)))[0];
+          const float v267_ix = (c < 64 ? b264[l * 64 + c] : c < 128 ? b265[l * 64 + (c - 64)] : b266[l * 64 + (c - 128)]);
           const float v268_ix = v267_ix;
           const float v = v268_ix;
           const float v270_ix = mdl_bf16_to_f32(mdl_f32_to_bf16(v268_ix));
-          b270[ix] = mdl_f32_to_bf16(v270_ix);
+          b270[ix] = mdl_bf16_bits(v270_ix);
           p[c] += v;
         }
       }
@@ -3467,7 +3475,7 @@ MDL_FN void k102_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k103_sum__concat__cast: kernel, 4 ops
 //   %340   concat                                  line 56    f32[8,64,192]
 //   %341   reshape                                 line 56    f32[512,192]

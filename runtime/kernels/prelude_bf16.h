@@ -9,6 +9,14 @@ static inline uint16_t mdl_f32_to_bf16(float x) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// The bits of x when x is already a bf16 value (a CAST's, rounded by mdl_f32_to_bf16 and widened):
+// the upper half of its f32 bits, what mdl_f32_to_bf16 would give again, without its rounding.
+static inline uint16_t mdl_bf16_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return (uint16_t)(u >> 16);
+}
+
 static inline float mdl_bf16_to_f32(uint16_t h) {
   const uint32_t u = (uint32_t)h << 16;
   float x;
