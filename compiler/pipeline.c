@@ -44,7 +44,7 @@ static bool settle_precision(const PipelineOptions *o, Graph *g, DType *dt) {
   if (!o->gpu || o->compute_capability >= 89) {
     static bool said;
     if (o->fp8_emulated_note && !said)
-      fprintf(stderr, "mdlc: fp8 is emulated on the CPU (every fp8 value rounded in software, the GEMMs in f32), "
+      fprintf(stderr, "mdlc: fp8 is emulated on the CPU (every fp8 value rounded in software, the GEMMs on its values widened to bf16 or f32), "
                       "slower than bf16 there and far slower than a GPU's fp8 GEMMs\n");
     said = true;
     return true;

@@ -141,13 +141,13 @@ static void write_decls(Emit *e, Buf *decl, Buf *shared, Kernel *k, Buf *frees) 
 // Anchors.
 //
 
-// The rows r of an fp8 GEMM operand (scaled tensor t) as f32, as c_widened does for bf16: its values
-// times 1 / its scale, exactly.
-static Rows c_widened_fp8(Emit *e, Rows r, int64_t t, int *wide, int *nwide) {
+// The rows r of an fp8 GEMM operand (scaled tensor t) as f32, as c_widened does for bf16, or as bf16
+// bits (b16): its values times 1 / its scale, exactly (prelude_c_fp8.h).
+static Rows c_widened_fp8(Emit *e, Rows r, int64_t t, bool b16, int *wide, int *nwide) {
   e->uses_h = true;
-  ec_line(&e->core, "float *const w%d = mdl_widen_fp8(b%d, %lld, %d, 1.0f / h->fp8_scale[%lld], h->nthreads);", r.buf,
-          c_ptr(e, r.buf), (long long)ec_numel(&e->core, r.buf), ec_node(&e->core, r.buf)->dtype == DT_F8E5M2,
-          (long long)t);
+  ec_line(&e->core, "%s *const w%d = mdl_widen_fp8%s(b%d, %lld, %d, 1.0f / h->fp8_scale[%lld], h->nthreads);",
+          b16 ? "uint16_t" : "float", r.buf, b16 ? "_bf16" : "", c_ptr(e, r.buf), (long long)ec_numel(&e->core, r.buf),
+          ec_node(&e->core, r.buf)->dtype == DT_F8E5M2, (long long)t);
   wide[(*nwide)++] = r.buf;
   r.base = r.off ? c_str(e, "w%d + %lld", r.buf, (long long)r.off) : c_str(e, "w%d", r.buf);
   return r;
@@ -206,21 +206,30 @@ static void emit_gemm(EmitCore *core, int gi) {
          (long long)g.n,
          bf16 ? ", bf16 operands (widened to f32 where the library has no bf16 GEMM)"
               : mixed ? ", a bf16 operand widened to f32"
-              : fp8 ? ", fp8 operands widened to f32 and descaled (exact)" : "",
+              : fp8 ? ", fp8 operands descaled (exact) into bf16 for the library's bf16 GEMM, else into f32" : "",
          g.batches > 1 ? c_str(e, ", %lld batches", (long long)g.batches) : "", nq ? ", epilogue after" : "");
   if (bf16) {
     ec_enter(&e->core, "if (h->bgemm)");
     gemm_call(e, "mdl_bgemm", &g, a, b, c);
     ec_leave(&e->core);
     ec_enter(&e->core, "else");
-  } else if (mixed || fp8)
+  } else if (fp8) { // (the codes' values are bf16 values, so the bf16 GEMM's products are the f32 ones)
+    ec_enter(&e->core, "if (h->bgemm)");
+    Rows a16 = c_widened_fp8(e, a, g.nd->ia[2], true, wide, &nwide);
+    Rows b16 = c_widened_fp8(e, b, g.nd->ia[3], true, wide, &nwide);
+    gemm_call(e, "mdl_bgemm", &g, a16, b16, c);
+    c_free_widened(e, wide, nwide);
+    nwide = 0;
+    ec_leave(&e->core);
+    ec_enter(&e->core, "else");
+  } else if (mixed)
     ec_enter(&e->core, "%s", "");
   if (bf16 || mixed) {
     a = c_widened(e, a, wide, &nwide);
     b = c_widened(e, b, wide, &nwide);
   } else if (fp8) {
-    a = c_widened_fp8(e, a, g.nd->ia[2], wide, &nwide);
-    b = c_widened_fp8(e, b, g.nd->ia[3], wide, &nwide);
+    a = c_widened_fp8(e, a, g.nd->ia[2], false, wide, &nwide);
+    b = c_widened_fp8(e, b, g.nd->ia[3], false, wide, &nwide);
   }
   gemm_call(e, "mdl_gemm", &g, a, b, c);
   if (bf16 || mixed || fp8) {

@@ -20,6 +20,18 @@ static inline float mdl_cast_e5m2(const MdlHooks *h, int t, float x) {
   return mdl_e5m2_to_f32(mdl_f32_to_e5m2(mdl_fp8_note(h, t, x)));
 }
 
+// n fp8 codes (E5M2 when e5, else E4M3) widened into a new buffer of bf16 bits, times the tensor's
+// 1 / scale: exact, as in f32 (a code has 3 significant bits at most, and a power of two keeps them),
+// unless the product falls below bf16's least normal number (2^-126), which f32's subnormals reach
+// further than bf16's. What the library's bf16 GEMM reads where the runtime has one. mdl_free() it.
+static inline uint16_t *mdl_widen_fp8_bf16(const uint8_t *x, int64_t n, int e5, float descale, int nthreads) {
+  uint16_t *y = mdl_scratch((size_t)n * sizeof(uint16_t));
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
+  for (int64_t i = 0; i < n; i++)
+    y[i] = mdl_f32_to_bf16((e5 ? mdl_e5m2_to_f32(x[i]) : mdl_e4m3_to_f32(x[i])) * descale);
+  return y;
+}
+
 // n fp8 codes (E5M2 when e5, else E4M3) widened into a new f32 buffer, times the tensor's 1 / scale.
 // mdl_free() it.
 static inline float *mdl_widen_fp8(const uint8_t *x, int64_t n, int e5, float descale, int nthreads) {
