@@ -162,14 +162,30 @@ static void gemm_call(Emit *e, const char *fn, const EwGemm *g, Rows a, Rows b, 
             k, a.base, (long long)a.stride, b.base, (long long)b.stride, c, n);
     return;
   }
+  // Batches: one parallel loop over every block of every batch's product, each block what the
+  // product alone would split it into (mdl_bgemm_nb, mdl_gemm_nb), so the values are those of a call
+  // per batch, and the threads wake once instead of once a batch (Muon's Newton-Schulz products of
+  // the matrices of one shape, autodiff.c: small, and many).
+  bool b16 = !strcmp(fn, "mdl_bgemm");
   Shape ob = g->so, ab = g->sa, bb = g->sb;
   ob.rank -= 2, ab.rank -= 2, bb.rank -= 2;
-  ec_enter(&e->core, "for (int64_t t = 0; t < %lld; t++)", (long long)g->batches);
+  ec_enter(&e->core, "%s", "");
+  if (b16) {
+    ec_line(&e->core, "int cols;");
+    ec_line(&e->core, "const int64_t nb = mdl_bgemm_nb(h, %lld, %lld, %lld, &cols);", m, n, k);
+  } else {
+    ec_line(&e->core, "const int64_t nb = mdl_gemm_nb(h, %lld, %lld, %lld);", m, n, k);
+  }
+  ec_line(&e->core, "#pragma omp parallel for num_threads(h->nthreads) schedule(static)");
+  ec_enter(&e->core, "for (int64_t q = 0; q < %lld * nb; q++)", (long long)g->batches);
+  ec_line(&e->core, "const int64_t t = q / nb;");
   const char *ia = ec_ix_bcast(&e->core, ob, ab, "t"), *ib = ec_ix_bcast(&e->core, ob, bb, "t");
   ec_line(&e->core,
-          "%s(h, %d, %d, %lld, %lld, %lld, %s + %s * %lld, %lld, %s + %s * %lld, %lld, 0.0f, b%d + t * %lld, %lld);",
-          fn, g->ta, g->tb, m, n, k, a.base, ia, m * k, (long long)a.stride, b.base, ib, k * n, (long long)b.stride, c,
-          m * n, n);
+          "%s_block(h, q %% nb, nb, %s%d, %d, %lld, %lld, %lld, %s + %s * %lld, %lld, %s + %s * %lld, %lld, 0.0f, "
+          "b%d + t * %lld, %lld);",
+          fn, b16 ? "cols, " : "", g->ta, g->tb, m, n, k, a.base, ia, m * k, (long long)a.stride, b.base, ib, k * n,
+          (long long)b.stride, c, m * n, n);
+  ec_leave(&e->core);
   ec_leave(&e->core);
 }
 

@@ -489,14 +489,15 @@ static int param_grad(Ad *ad, int p) {
 // (a, b, c) = (3.4445, -4.7750, 2.0315): A = X X^T, B = b A + c A A, X = a X + B X, each on the
 // shorter side (a tall matrix iterates on X^T: A = X^T X, X = a X + X B), and X times max(1, r /
 // c)^0.5. All of it IR ops (the products are MATMULs, run by the GEMM library), before the optimizer
-// step; the OP_ADAMW of rule OPT_MUON then writes m's update and p -= lr (X + wd p). X, or -1.
-static int muon_ortho(Graph *g, const IrNode *p, int grad, int m, int gnorm) {
-  const TrainConfig *t = &g->train;
-  SrcLoc at = p->loc;
-  int64_t r = p->shape.d[0], c = p->shape.d[1];
-  bool tall = r > c;
+// step; the OP_ADAMW of rule OPT_MUON then writes m's update and p -= lr (X + wd p). In three parts:
+// muon_u, muon_newton_schulz, and muon_ortho, which batches the matrices of one shape.
 #define K(v) ir_const(g, (v), at)
 #define OP2(op, x, y) ir_add(g, op, (int[]){(x), (y)}, 2, NULL, NULL, at)
+
+// Muon's u of matrix p from its gradient and moment m (above), or -1.
+static int muon_u(Graph *g, const IrNode *p, int grad, int m, int gnorm) {
+  const TrainConfig *t = &g->train;
+  SrcLoc at = p->loc;
   // Without clipping the factor is gnorm * 0 + 1 (1, or NaN with a norm that is not finite, a step
   // skipped anyway): either way Muon reads its gradient only after the gradient norm, as every other
   // update does, so nothing reads a gradient before the norm's step (a data-parallel run reduces
@@ -510,10 +511,26 @@ static int muon_ortho(Graph *g, const IrNode *p, int grad, int m, int gnorm) {
   int gs = OP2(OP_MUL, grad, q);
   double beta = t->momentum;
   int mn = OP2(OP_ADD, OP2(OP_MUL, m, K(beta)), OP2(OP_MUL, gs, K(1 - beta)));
-  int u = t->nesterov ? OP2(OP_ADD, OP2(OP_MUL, gs, K(1 - beta)), OP2(OP_MUL, mn, K(beta))) : mn;
+  return t->nesterov ? OP2(OP_ADD, OP2(OP_MUL, gs, K(1 - beta)), OP2(OP_MUL, mn, K(beta))) : mn;
+}
+
+// X of Muon from u (above): one matrix [r, c], or a batch [n, r, c] of matrices of one shape, each
+// divided by its own norm, the Newton-Schulz products then batched GEMMs (one GEMM call sequence for
+// the batch where there were n); each matrix's values as alone. -1 on failure.
+static int muon_newton_schulz(Graph *g, int u, SrcLoc at) {
+  Shape s = g->nodes[u]->shape;
+  int64_t n = s.rank == 3 ? s.d[0] : 1, r = s.d[s.rank - 2], c = s.d[s.rank - 1];
+  bool tall = r > c;
   int sq = OP2(OP_MUL, u, u); // (a failed ir_add gives -1, which the next one refuses)
-  int flat = sq < 0 ? -1 : ir_reshape(g, sq, (Shape){1, {r * c}}, at);
-  int ss = flat < 0 ? -1 : ir_add(g, OP_SUM, (int[]){flat}, 1, (int64_t[8]){0, 0}, NULL, at);
+  int ss;
+  if (s.rank == 2) {
+    int flat = sq < 0 ? -1 : ir_reshape(g, sq, (Shape){1, {r * c}}, at);
+    ss = flat < 0 ? -1 : ir_add(g, OP_SUM, (int[]){flat}, 1, (int64_t[8]){0, 0}, NULL, at);
+  } else {
+    int flat = sq < 0 ? -1 : ir_reshape(g, sq, (Shape){2, {n, r * c}}, at);
+    int sum = flat < 0 ? -1 : ir_add(g, OP_SUM, (int[]){flat}, 1, (int64_t[8]){1, 0}, NULL, at);
+    ss = sum < 0 ? -1 : ir_reshape(g, sum, (Shape){3, {n, 1, 1}}, at);
+  }
   int x = OP2(OP_DIV, u, OP2(OP_ADD, ir_add(g, OP_SQRT, (int[]){ss}, 1, NULL, NULL, at), K(1e-7)));
   for (int k = 0; k < 5 && x >= 0; k++) {
     int a = ir_add(g, OP_MATMUL, (int[]){x, x}, 2, (int64_t[8]){tall, !tall}, NULL, at);
@@ -525,11 +542,51 @@ static int muon_ortho(Graph *g, const IrNode *p, int grad, int m, int gnorm) {
   double scale = sqrt(fmax(1, (double)r / (double)c)); // (Keller Jordan's max(1, rows/cols)^0.5)
   if (scale != 1 && x >= 0)
     x = OP2(OP_MUL, x, K(scale));
+  return x;
+}
+
+// X of Muon for the hidden matrices params[list[0..n)] (one shape), with their gradients and moments
+// m (indexed by param), into out[0..n): one matrix alone as muon_ortho always did; several stacked
+// into one batch [n, r, c] (a CONCAT), orthogonalised together, and sliced apart. Batching turns a
+// model's 15 GEMM calls per matrix a step into 15 per shape: the calls of small matrices (gpt2-tiny's
+// 64 x 64 to 64 x 256) cost more in threads woken and libraries entered than in flops.
+static bool muon_ortho(Graph *g, const int *list, int n, const int *grads, const int *m, int gnorm, int *out) {
+  const IrNode *p0 = g->nodes[g->params[list[0]]];
+  SrcLoc at = p0->loc;
+  int64_t r = p0->shape.d[0], c = p0->shape.d[1];
+  int *us = arena_alloc(g->arena, sizeof(int) * (size_t)n);
+  for (int k = 0; k < n; k++) {
+    const IrNode *p = g->nodes[g->params[list[k]]];
+    int u = muon_u(g, p, grads[list[k]], m[list[k]], gnorm);
+    us[k] = n == 1 || u < 0 ? u : ir_reshape(g, u, (Shape){3, {1, r, c}}, p->loc);
+    if (us[k] < 0)
+      return false;
+  }
+  int stack = n == 1 ? us[0] : ir_add(g, OP_CONCAT, us, n, (int64_t[8]){0}, NULL, at);
+  int x = stack < 0 ? -1 : muon_newton_schulz(g, stack, at);
+  for (int k = 0; k < n && x >= 0; k++) {
+    const IrNode *p = g->nodes[g->params[list[k]]];
+    int one = x;
+    if (n > 1) {
+      int sl = ir_add(g, OP_SLICE, &x, 1, (int64_t[8]){0, k, k + 1}, NULL, p->loc);
+      one = sl < 0 ? -1 : ir_reshape(g, sl, p->shape, p->loc);
+    }
+    if ((out[k] = one) < 0)
+      return false;
+    g->nodes[one]->name = arena_printf(g->arena, "%s.ortho", p->name ? p->name : "?");
+  }
+  return x >= 0;
+}
 #undef K
 #undef OP2
-  if (x >= 0)
-    g->nodes[x]->name = arena_printf(g->arena, "%s.ortho", p->name ? p->name : "?");
-  return x;
+
+// Moment k of param p ("<p>.m", then "<p>.v"), a STATE leaf; -1 on failure.
+static int moment_leaf(Graph *g, const IrNode *p, int k) {
+  int st = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.%s", p->name ? p->name : "?", k ? "v" : "m"), DT_F32,
+                   p->shape, p->loc);
+  if (st >= 0)
+    g->nodes[st]->param_of = p->id;
+  return st;
 }
 
 // The optimizer step after the backward graph: lr and step scalars, the global gradient norm,
@@ -573,6 +630,12 @@ static bool optimizer_step(Graph *g) {
     return false;
   g->updates = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
   const TrainConfig *t = &g->train;
+  // Muon's matrices of one shape are orthogonalised together (muon_ortho), at the first of them: the
+  // moments of the others are made then, and their X kept for their turn.
+  int *mom = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams), *xs = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
+  int *list = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams), *outs = arena_alloc(g->arena, sizeof(int) * (size_t)g->nparams);
+  for (int i = 0; i < g->nparams; i++)
+    mom[i] = xs[i] = -1;
   for (int i = 0; i < g->nparams; i++) {
     IrNode *p = g->nodes[g->params[i]];
     g->updates[i] = -1;
@@ -585,14 +648,29 @@ static bool optimizer_step(Graph *g) {
     const char *name = p->name ? p->name : "?";
     int in[7] = {p->id, grads[i]}, nin = 2;
     for (int k = 0; k < nstate; k++) {
-      int st = ir_leaf(g, OP_STATE, arena_printf(g->arena, "%s.%s", name, k ? "v" : "m"), DT_F32, p->shape, p->loc);
+      int st = k == 0 && mom[i] >= 0 ? mom[i] : moment_leaf(g, p, k);
       if (st < 0)
         return false;
-      g->nodes[st]->param_of = p->id;
       in[nin++] = st;
     }
-    if (muon && (in[nin++] = muon_ortho(g, p, grads[i], in[2], gnorm)) < 0)
-      return false;
+    if (muon && xs[i] < 0) { // (the first of its shape: its group's X)
+      int n = 0;
+      for (int j = i; j < g->nparams; j++) {
+        const IrNode *q = g->nodes[g->params[j]];
+        if (grads[j] >= 0 && q->init.muon && shape_eq(q->shape, p->shape)) {
+          if (j > i && (mom[j] = moment_leaf(g, q, 0)) < 0)
+            return false;
+          list[n++] = j;
+        }
+      }
+      mom[i] = in[2];
+      if (!muon_ortho(g, list, n, grads, mom, gnorm, outs))
+        return false;
+      for (int k = 0; k < n; k++)
+        xs[list[k]] = outs[k];
+    }
+    if (muon)
+      in[nin++] = xs[i];
     in[nin++] = gnorm;
     in[nin++] = lr;
     in[nin++] = step;

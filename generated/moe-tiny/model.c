@@ -217,20 +217,32 @@ static inline void mdl_free(void *q) {
 // another order when it is part of a smaller product (its small-matrix kernels: 48 rows of an
 // A B^T product with n 32, k 256 differ from the same rows as two calls of 24), so a split by
 // threads made results depend on them.
-static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
-                            int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+// The blocks of rows mdl_gemm splits an m x n x k product into (1: one call).
+static inline int64_t mdl_gemm_nb(const MdlHooks *h, int64_t m, int64_t n, int64_t k) {
   int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
   if (nb > (m + 15) / 16)
     nb = (m + 15) / 16;
-  if (nb <= 1) {
+  return nb > 1 ? nb : 1;
+}
+
+// Block t of the nb (mdl_gemm_nb) of the product, on the calling thread.
+static inline void mdl_gemm_block(const MdlHooks *h, int64_t t, int64_t nb, int ta, int tb, int64_t m, int64_t n,
+                                  int64_t k, const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                                  float *c, int64_t ldc) {
+  const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
+  h->sgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
+}
+
+static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                            int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  const int64_t nb = mdl_gemm_nb(h, m, n, k);
+  if (nb == 1) {
     h->sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
     return;
   }
 #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t t = 0; t < nb; t++) {
-    const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
-    h->sgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
-  }
+  for (int64_t t = 0; t < nb; t++)
+    mdl_gemm_block(h, t, nb, ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
 }
 
 // Sum of squares in double over fixed blocks of 4096, each block in vector lanes, the blocks added
@@ -282,23 +294,39 @@ static inline float mdl_bf16_to_f32(uint16_t h) {
 // h->gemm_blocks blocks over the threads: blocks of columns of C (of 64 at least), since a block
 // of rows has each thread repack all of B into the library's layout (oneDNN's bf16 GEMM ran at
 // half its rate so), else blocks of rows.
+// The blocks mdl_bgemm splits an m x n x k product into (1: one call), by columns (*cols) or rows.
+static inline int64_t mdl_bgemm_nb(const MdlHooks *h, int64_t m, int64_t n, int64_t k, int *cols) {
+  const int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
+  *cols = nb > 1 && n / 64 >= nb;
+  return *cols || (nb > 1 && m / 16 >= nb) ? nb : 1;
+}
+
+// Block t of the nb (mdl_bgemm_nb) of the product, on the calling thread.
+static inline void mdl_bgemm_block(const MdlHooks *h, int64_t t, int64_t nb, int cols, int ta, int tb, int64_t m,
+                                   int64_t n, int64_t k, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb,
+                                   float beta, float *c, int64_t ldc) {
+  if (nb == 1) {
+    h->bgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+  } else if (cols) {
+    const int64_t c0 = n * t / nb / 16 * 16, c1 = t == nb - 1 ? n : n * (t + 1) / nb / 16 * 16;
+    h->bgemm(ta, tb, m, c1 - c0, k, a, lda, tb ? b + c0 * ldb : b + c0, ldb, beta, c + c0, ldc);
+  } else {
+    const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
+    h->bgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
+  }
+}
+
 static inline void mdl_bgemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a,
                              int64_t lda, const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
-  const int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
-  if (nb > 1 && n / 64 >= nb) {
-#pragma omp parallel for num_threads(h->nthreads) schedule(static)
-    for (int64_t t = 0; t < nb; t++) {
-      const int64_t c0 = n * t / nb / 16 * 16, c1 = t == nb - 1 ? n : n * (t + 1) / nb / 16 * 16;
-      h->bgemm(ta, tb, m, c1 - c0, k, a, lda, tb ? b + c0 * ldb : b + c0, ldb, beta, c + c0, ldc);
-    }
-  } else if (nb > 1 && m / 16 >= nb) {
-#pragma omp parallel for num_threads(h->nthreads) schedule(static)
-    for (int64_t t = 0; t < nb; t++) {
-      const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
-      h->bgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
-    }
-  } else
+  int cols;
+  const int64_t nb = mdl_bgemm_nb(h, m, n, k, &cols);
+  if (nb == 1) {
     h->bgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+#pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t t = 0; t < nb; t++)
+    mdl_bgemm_block(h, t, nb, cols, ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
 }
 
 // n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of
@@ -361,7 +389,7 @@ MDL_FN void k0_embed(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // k1_embed: kernel, 1 op
 //   %7     embed                                   line 38    f32[8,64,64]
 // loops:
@@ -383,7 +411,7 @@ MDL_FN void k1_embed(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k2_layernorm_fwd__add__cast: kernel, 4 ops
 //   %8     add                x                    line 38    f32[8,64,64]
 //   %22    layernorm                               line 56    f32[8,64,64]
@@ -438,7 +466,7 @@ MDL_FN void k2_layernorm_fwd__add__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k3_gemm__add__cast's):
 // k3_gemm__add__cast k25_gemm__add__cast
@@ -600,7 +628,7 @@ MDL_FN void k4_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k5_gemm__add's):
 // k5_gemm__add k27_gemm__add
@@ -694,7 +722,7 @@ MDL_FN void k6_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k7_gemm's):
 // k7_gemm k29_gemm
@@ -784,7 +812,7 @@ MDL_FN void k8_softmax_fwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k9_topk's):
 // k9_topk k31_topk
@@ -846,7 +874,7 @@ MDL_FN void k10_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k11_mul's):
 // k11_mul k33_mul
@@ -932,7 +960,7 @@ MDL_FN void k13_permute(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k14_mean__compare__div's):
 // k14_mean__compare__div k36_mean__compare__div
@@ -985,7 +1013,7 @@ MDL_FN void k14_mean__compare__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k15_permute__add__mul's):
 // k15_permute__add__mul k37_permute__add__mul
@@ -1017,7 +1045,7 @@ MDL_FN void k15_permute__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k16_topk's):
 // k16_topk k38_topk
@@ -1054,7 +1082,7 @@ MDL_FN void k16_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k17_gather's):
 // k17_gather k39_gather
@@ -1079,7 +1107,7 @@ MDL_FN void k17_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k18_gather's):
 // k18_gather k40_gather
@@ -1104,7 +1132,7 @@ MDL_FN void k18_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k19_gather__cast's):
 // k19_gather__cast k41_gather__cast
@@ -1145,7 +1173,7 @@ MDL_FN void k19_gather__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k20_gemm__add__gelu__cast's):
 // k20_gemm__add__gelu__cast k42_gemm__add__gelu__cast
@@ -1157,15 +1185,26 @@ MDL_FN void k20_gemm__add__gelu__cast__code(char *arena, const MdlHooks *h, cons
   uint16_t *const restrict b70 = (uint16_t *)(arena + o[4]); // %70 cast bf16[4,320,128]
   float *const b67 = b68; // %67 matmul f32[4,320,128]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_bgemm(h, 0, 0, 320, 128, 64, b65 + t * 20480, 64, b66 + t * 8192, 128, 0.0f, b67 + t * 40960, 128);
+    {
+      int cols;
+      const int64_t nb = mdl_bgemm_nb(h, 320, 128, 64, &cols);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_bgemm_block(h, q % nb, nb, cols, 0, 0, 320, 128, 64, b65 + t * 20480, 64, b66 + t * 8192, 128, 0.0f, b67 + t * 40960, 128);
+      }
     }
   }
   else {
     float *const w65 = mdl_widen_bf16(b65, 81920, h->nthreads);
     float *const w66 = mdl_widen_bf16(b66, 32768, h->nthreads);
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_gemm(h, 0, 0, 320, 128, 64, w65 + t * 20480, 64, w66 + t * 8192, 128, 0.0f, b67 + t * 40960, 128);
+    {
+      const int64_t nb = mdl_gemm_nb(h, 320, 128, 64);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_gemm_block(h, q % nb, nb, 0, 0, 320, 128, 64, w65 + t * 20480, 64, w66 + t * 8192, 128, 0.0f, b67 + t * 40960, 128);
+      }
     }
     mdl_free(w65);
     mdl_free(w66);
@@ -1200,7 +1239,7 @@ MDL_FN void k20_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k21_gemm__add__mul's):
 // k21_gemm__add__mul k43_gemm__add__mul
@@ -1213,15 +1252,26 @@ MDL_FN void k21_gemm__add__mul__code(char *arena, const MdlHooks *h, const int64
   float *const restrict b75 = (float *)(arena + o[5]); // %75 mul h.0.ye f32[4,320,64]
   float *const b72 = b73; // %72 matmul f32[4,320,64]: the GEMM writes into its epilogue's output
   if (h->bgemm) {
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_bgemm(h, 0, 0, 320, 64, 128, b70 + t * 40960, 128, b71 + t * 8192, 64, 0.0f, b72 + t * 20480, 64);
+    {
+      int cols;
+      const int64_t nb = mdl_bgemm_nb(h, 320, 64, 128, &cols);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_bgemm_block(h, q % nb, nb, cols, 0, 0, 320, 64, 128, b70 + t * 40960, 128, b71 + t * 8192, 64, 0.0f, b72 + t * 20480, 64);
+      }
     }
   }
   else {
     float *const w70 = mdl_widen_bf16(b70, 163840, h->nthreads);
     float *const w71 = mdl_widen_bf16(b71, 32768, h->nthreads);
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_gemm(h, 0, 0, 320, 64, 128, w70 + t * 40960, 128, w71 + t * 8192, 64, 0.0f, b72 + t * 20480, 64);
+    {
+      const int64_t nb = mdl_gemm_nb(h, 320, 64, 128);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_gemm_block(h, q % nb, nb, 0, 0, 320, 64, 128, w70 + t * 40960, 128, w71 + t * 8192, 64, 0.0f, b72 + t * 20480, 64);
+      }
     }
     mdl_free(w70);
     mdl_free(w71);
@@ -1255,7 +1305,7 @@ MDL_FN void k21_gemm__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k22_scatter_add's):
 // k22_scatter_add k44_scatter_add
@@ -1291,7 +1341,7 @@ MDL_FN void k22_scatter_add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k23_mean's):
 // k23_mean k45_mean
@@ -1388,7 +1438,7 @@ MDL_FN void k24_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k25_gemm__add__cast: GEMM, 4 ops
 //   %107   matmul                                  line 56    f32[512,192]
 //   %108   reshape                                 line 56    f32[8,64,192]
@@ -1417,7 +1467,7 @@ MDL_FN void k26_attention_fwd__cast__lse(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k27_gemm__add: GEMM, 4 ops
 //   %118   matmul                                  line 57    f32[512,64]
 //   %119   reshape                                 line 57    f32[8,64,64]
@@ -1444,7 +1494,7 @@ MDL_FN void k28_layernorm_fwd__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // k29_gemm: GEMM, 1 op
 //   %126   matmul                                  line 61    f32[512,4]
 // loops:
@@ -1466,7 +1516,7 @@ MDL_FN void k30_softmax_fwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(2)
 // k31_topk: kernel, 1 op
 //   %128   topk               h.1.choice           line 62    i32[512,2]
 // loops:
@@ -1488,7 +1538,7 @@ MDL_FN void k32_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // k33_mul: kernel, 1 op
 //   %131   mul                                     line 63    f32[512,4]
 // loops:
@@ -1521,7 +1571,7 @@ MDL_FN void k35_permute(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k36_mean__compare__div: kernel, 3 ops
 //   %134   compare            h.1.routed           line 64    f32[512,4]
 //   %161   mean                                    line 73    f32[4]
@@ -1534,7 +1584,7 @@ MDL_FN void k36_mean__compare__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // k37_permute__add__mul: kernel, 3 ops
 //   %136   add                                     line 66    f32[512,4]
 //   %137   mul                                     line 66    f32[512,4]
@@ -1547,7 +1597,7 @@ MDL_FN void k37_permute__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k38_topk: kernel, 1 op
 //   %139   topk               h.1.slot             line 66    i32[4,320]
 // loops:
@@ -1558,7 +1608,7 @@ MDL_FN void k38_topk(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k39_gather: kernel, 1 op
 //   %140   gather             h.1.prio             line 66    f32[4,320]
 // loops:
@@ -1569,7 +1619,7 @@ MDL_FN void k39_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k40_gather: kernel, 1 op
 //   %142   gather             h.1.weight           line 67    f32[4,320]
 // loops:
@@ -1580,7 +1630,7 @@ MDL_FN void k40_gather(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(0)
 // k41_gather__cast: kernel, 3 ops
 //   %144   gather                                  line 69    f32[1280,64]
 //   %145   reshape            h.1.xe               line 69    f32[4,320,64]
@@ -1594,7 +1644,7 @@ MDL_FN void k41_gather__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k42_gemm__add__gelu__cast: GEMM, 4 ops
 //   %148   matmul                                  line 70    f32[4,320,128]
 //   %149   add                                     line 70    f32[4,320,128]
@@ -1609,7 +1659,7 @@ MDL_FN void k42_gemm__add__gelu__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k43_gemm__add__mul: GEMM, 3 ops
 //   %153   matmul                                  line 70    f32[4,320,64]
 //   %154   add                                     line 70    f32[4,320,64]
@@ -1623,7 +1673,7 @@ MDL_FN void k43_gemm__add__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k44_scatter_add: kernel, 1 op
 //   %159   scatter_add                             line 72    f32[512,64]
 // loops:
@@ -1634,7 +1684,7 @@ MDL_FN void k44_scatter_add(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // k45_mean: kernel, 1 op
 //   %164   mean                                    line 73    f32[4]
 // loops:
@@ -1712,7 +1762,7 @@ MDL_FN void k48_target_count(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k49_div__mul: kernel, 2 ops
 //   %190   mul                d.balance            line 81    f32[]
 //   %191   div                d.h.1.aux            line 80    f32[]
@@ -1929,7 +1979,7 @@ MDL_FN void k52_sum__div(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(1)
 // k53_sum__mul__add__div: kernel, 8 ops
 //   %84    mul                                     line 73    f32[4]
 //   %85    sum                                     line 73    f32[]
@@ -2039,7 +2089,7 @@ MDL_FN void k54_layernorm_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k55_broadcast__mul's):
 // k55_broadcast__mul k80_broadcast__mul
@@ -2068,7 +2118,7 @@ MDL_FN void k55_broadcast__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k56_broadcast__mul__div's):
 // k56_broadcast__mul__div k81_broadcast__mul__div
@@ -2166,7 +2216,7 @@ MDL_FN void k58_sum__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k59_sum__mul__cast's):
 // k59_sum__mul__cast k85_sum__mul__cast
@@ -2207,7 +2257,7 @@ MDL_FN void k59_sum__mul__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k60_gemm's):
 // k60_gemm k86_gemm
@@ -2216,15 +2266,26 @@ MDL_FN void k60_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b228 = (uint16_t *)(arena + o[1]); // %228 cast bf16[4,320,64]
   float *const restrict b230 = (float *)(arena + o[2]); // %230 matmul d.h.1.fcproj_w f32[4,128,64]
   if (h->bgemm) {
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_bgemm(h, 1, 0, 128, 64, 320, b151 + t * 40960, 128, b228 + t * 20480, 64, 0.0f, b230 + t * 8192, 64);
+    {
+      int cols;
+      const int64_t nb = mdl_bgemm_nb(h, 128, 64, 320, &cols);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_bgemm_block(h, q % nb, nb, cols, 1, 0, 128, 64, 320, b151 + t * 40960, 128, b228 + t * 20480, 64, 0.0f, b230 + t * 8192, 64);
+      }
     }
   }
   else {
     float *const w151 = mdl_widen_bf16(b151, 163840, h->nthreads);
     float *const w228 = mdl_widen_bf16(b228, 81920, h->nthreads);
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_gemm(h, 1, 0, 128, 64, 320, w151 + t * 40960, 128, w228 + t * 20480, 64, 0.0f, b230 + t * 8192, 64);
+    {
+      const int64_t nb = mdl_gemm_nb(h, 128, 64, 320);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_gemm_block(h, q % nb, nb, 1, 0, 128, 64, 320, w151 + t * 40960, 128, w228 + t * 20480, 64, 0.0f, b230 + t * 8192, 64);
+      }
     }
     mdl_free(w151);
     mdl_free(w228);
@@ -2241,7 +2302,7 @@ MDL_FN void k60_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k61_gemm__gelu_bwd__sum__cast's):
 // k61_gemm__gelu_bwd__sum__cast k87_gemm__gelu_bwd__sum__cast
@@ -2253,15 +2314,26 @@ MDL_FN void k61_gemm__gelu_bwd__sum__cast__code(char *arena, const MdlHooks *h, 
   float *const restrict b232 = (float *)(arena + o[3]); // %232 sum d.h.1.fc_b f32[4,1,128]
   uint16_t *const restrict b233 = (uint16_t *)(arena + o[4]); // %233 cast bf16[4,320,128]
   if (h->bgemm) {
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_bgemm(h, 0, 1, 320, 128, 64, b228 + t * 20480, 64, b152 + t * 8192, 64, 0.0f, b229 + t * 40960, 128);
+    {
+      int cols;
+      const int64_t nb = mdl_bgemm_nb(h, 320, 128, 64, &cols);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_bgemm_block(h, q % nb, nb, cols, 0, 1, 320, 128, 64, b228 + t * 20480, 64, b152 + t * 8192, 64, 0.0f, b229 + t * 40960, 128);
+      }
     }
   }
   else {
     float *const w228 = mdl_widen_bf16(b228, 81920, h->nthreads);
     float *const w152 = mdl_widen_bf16(b152, 32768, h->nthreads);
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_gemm(h, 0, 1, 320, 128, 64, w228 + t * 20480, 64, w152 + t * 8192, 64, 0.0f, b229 + t * 40960, 128);
+    {
+      const int64_t nb = mdl_gemm_nb(h, 320, 128, 64);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_gemm_block(h, q % nb, nb, 0, 1, 320, 128, 64, w228 + t * 20480, 64, w152 + t * 8192, 64, 0.0f, b229 + t * 40960, 128);
+      }
     }
     mdl_free(w228);
     mdl_free(w152);
@@ -2300,7 +2372,7 @@ MDL_FN void k61_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k62_gemm's):
 // k62_gemm k88_gemm
@@ -2309,15 +2381,26 @@ MDL_FN void k62_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b233 = (uint16_t *)(arena + o[1]); // %233 cast bf16[4,320,128]
   float *const restrict b234 = (float *)(arena + o[2]); // %234 matmul d.h.1.xe f32[4,320,64]
   if (h->bgemm) {
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_bgemm(h, 0, 1, 320, 64, 128, b233 + t * 40960, 128, b147 + t * 8192, 128, 0.0f, b234 + t * 20480, 64);
+    {
+      int cols;
+      const int64_t nb = mdl_bgemm_nb(h, 320, 64, 128, &cols);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_bgemm_block(h, q % nb, nb, cols, 0, 1, 320, 64, 128, b233 + t * 40960, 128, b147 + t * 8192, 128, 0.0f, b234 + t * 20480, 64);
+      }
     }
   }
   else {
     float *const w233 = mdl_widen_bf16(b233, 163840, h->nthreads);
     float *const w147 = mdl_widen_bf16(b147, 32768, h->nthreads);
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_gemm(h, 0, 1, 320, 64, 128, w233 + t * 40960, 128, w147 + t * 8192, 128, 0.0f, b234 + t * 20480, 64);
+    {
+      const int64_t nb = mdl_gemm_nb(h, 320, 64, 128);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_gemm_block(h, q % nb, nb, 0, 1, 320, 64, 128, w233 + t * 40960, 128, w147 + t * 8192, 128, 0.0f, b234 + t * 20480, 64);
+      }
     }
     mdl_free(w233);
     mdl_free(w147);
@@ -2334,7 +2417,7 @@ MDL_FN void k62_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k63_gemm's):
 // k63_gemm k89_gemm
@@ -2343,15 +2426,26 @@ MDL_FN void k63_gemm__code(char *arena, const MdlHooks *h, const int64_t *o) {
   uint16_t *const restrict b233 = (uint16_t *)(arena + o[1]); // %233 cast bf16[4,320,128]
   float *const restrict b235 = (float *)(arena + o[2]); // %235 matmul d.h.1.fc_w f32[4,64,128]
   if (h->bgemm) {
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_bgemm(h, 1, 0, 64, 128, 320, b146 + t * 20480, 64, b233 + t * 40960, 128, 0.0f, b235 + t * 8192, 128);
+    {
+      int cols;
+      const int64_t nb = mdl_bgemm_nb(h, 64, 128, 320, &cols);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_bgemm_block(h, q % nb, nb, cols, 1, 0, 64, 128, 320, b146 + t * 20480, 64, b233 + t * 40960, 128, 0.0f, b235 + t * 8192, 128);
+      }
     }
   }
   else {
     float *const w146 = mdl_widen_bf16(b146, 81920, h->nthreads);
     float *const w233 = mdl_widen_bf16(b233, 163840, h->nthreads);
-    for (int64_t t = 0; t < 4; t++) {
-      mdl_gemm(h, 1, 0, 64, 128, 320, w146 + t * 20480, 64, w233 + t * 40960, 128, 0.0f, b235 + t * 8192, 128);
+    {
+      const int64_t nb = mdl_gemm_nb(h, 64, 128, 320);
+      #pragma omp parallel for num_threads(h->nthreads) schedule(static)
+      for (int64_t q = 0; q < 4 * nb; q++) {
+        const int64_t t = q / nb;
+        mdl_gemm_block(h, q % nb, nb, 1, 0, 64, 128, 320, w146 + t * 20480, 64, w233 + t * 40960, 128, 0.0f, b235 + t * 8192, 128);
+      }
     }
     mdl_free(w146);
     mdl_free(w233);
@@ -2435,7 +2529,7 @@ MDL_FN void k65_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k66_permute's):
 // k66_permute k92_permute
@@ -2461,7 +2555,7 @@ MDL_FN void k66_permute(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k67_gather's):
 // k67_gather k93_gather
@@ -2519,7 +2613,7 @@ MDL_FN void k68_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k69_add__mul__broadcast's):
 // k69_add__mul__broadcast k95_add__mul__broadcast
@@ -2563,7 +2657,7 @@ MDL_FN void k69_add__mul__broadcast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k70_softmax_bwd__cast's):
 // k70_softmax_bwd__cast k96_softmax_bwd__cast
@@ -2635,7 +2729,7 @@ MDL_FN void k71_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k72_gemm__add's):
 // k72_gemm__add k98_gemm__add
@@ -2778,7 +2872,7 @@ MDL_FN void k73_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k74_gemm's):
 // k74_gemm k100_gemm
@@ -2808,7 +2902,7 @@ MDL_FN void k74_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k75_gemm__cast's):
 // k75_gemm__cast k101_gemm__cast
@@ -2999,7 +3093,7 @@ MDL_FN void k76_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k77_sum__concat__cast's):
 // k77_sum__concat__cast k103_sum__concat__cast
@@ -3055,7 +3149,7 @@ MDL_FN void k77_sum__concat__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // The loops of 2 kernels, each on its own buffers (o[]: their offsets in the arena; the names
 // are those of k78_gemm's):
 // k78_gemm k104_gemm
@@ -3115,7 +3209,7 @@ MDL_FN void k79_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k80_broadcast__mul: kernel, 3 ops
 //   %277   mul                                     line 73    f32[]
 //   %278   reshape                                 line 73    f32[1]
@@ -3128,7 +3222,7 @@ MDL_FN void k80_broadcast__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // k81_broadcast__mul__div: kernel, 5 ops
 //   %280   mul                                     line 73    f32[4]
 //   %286   div                                     line 73    f32[4]
@@ -3251,7 +3345,7 @@ MDL_FN void k84_sum__mul(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k85_sum__mul__cast: kernel, 3 ops
 //   %296   mul                                     line 70    f32[4,320,64]
 //   %300   sum                d.h.0.fcproj_b       line 70    f32[4,1,64]
@@ -3264,7 +3358,7 @@ MDL_FN void k85_sum__mul__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k86_gemm: GEMM, 1 op
 //   %303   matmul             d.h.0.fcproj_w       line 70    f32[4,128,64]
 // loops:
@@ -3275,7 +3369,7 @@ MDL_FN void k86_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(3)
 // k87_gemm__gelu_bwd__sum__cast: GEMM, 4 ops
 //   %302   matmul                                  line 70    f32[4,320,128]
 //   %304   gelu_bwd                                line 70    f32[4,320,128]
@@ -3290,7 +3384,7 @@ MDL_FN void k87_gemm__gelu_bwd__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k88_gemm: GEMM, 1 op
 //   %307   matmul             d.h.0.xe             line 70    f32[4,320,64]
 // loops:
@@ -3301,7 +3395,7 @@ MDL_FN void k88_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // k89_gemm: GEMM, 1 op
 //   %308   matmul             d.h.0.fc_w           line 70    f32[4,64,128]
 // loops:
@@ -3334,7 +3428,7 @@ MDL_FN void k91_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k92_permute: kernel, 1 op
 //   %312   permute            d.h.0.gates          line 67    f32[512,4]
 // loops:
@@ -3345,7 +3439,7 @@ MDL_FN void k92_permute(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(3)
 // k93_gather: kernel, 1 op
 //   %313   gather             d.h.0.gate           line 63    f32[512,2]
 // loops:
@@ -3367,7 +3461,7 @@ MDL_FN void k94_gather_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(2)
 // k95_add__mul__broadcast: kernel, 7 ops
 //   %281   mul                                     line 73    f32[4]
 //   %283   mul                                     line 73    f32[4]
@@ -3384,7 +3478,7 @@ MDL_FN void k95_add__mul__broadcast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(0)
 // k96_softmax_bwd__cast: kernel, 2 ops
 //   %318   softmax_bwd                             line 61    f32[512,4]
 //   %319   cast                                    line 61    bf16[512,4]
@@ -3407,7 +3501,7 @@ MDL_FN void k97_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(2)
+#if MDL_IN(1)
 // k98_gemm__add: GEMM, 2 ops
 //   %320   matmul                                  line 61    f32[512,64]
 //   %322   add                d.h.0.t              line 60    f32[512,64]
@@ -3437,7 +3531,7 @@ MDL_FN void k99_layernorm_bwd__add__sum__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(1)
+#if MDL_IN(0)
 // k100_gemm: GEMM, 1 op
 //   %332   matmul             d.h.0.proj_w         line 57    f32[64,64]
 // loops:
@@ -3448,7 +3542,7 @@ MDL_FN void k100_gemm(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(3)
+#if MDL_IN(2)
 // k101_gemm__cast: GEMM, 3 ops
 //   %331   matmul                                  line 57    f32[512,64]
 //   %333   reshape                                 line 57    f32[8,64,64]
@@ -3475,7 +3569,7 @@ MDL_FN void k102_attention_bwd(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(3)
 // k103_sum__concat__cast: kernel, 4 ops
 //   %340   concat                                  line 56    f32[8,64,192]
 //   %341   reshape                                 line 56    f32[512,192]
@@ -3489,7 +3583,7 @@ MDL_FN void k103_sum__concat__cast(char *arena, const MdlHooks *h) {
 }
 #endif
 
-#if MDL_IN(0)
+#if MDL_IN(1)
 // k104_gemm: GEMM, 1 op
 //   %344   matmul                                  line 56    f32[512,64]
 // loops:

@@ -168,20 +168,32 @@ static inline void mdl_free(void *q) {
 // another order when it is part of a smaller product (its small-matrix kernels: 48 rows of an
 // A B^T product with n 32, k 256 differ from the same rows as two calls of 24), so a split by
 // threads made results depend on them.
-static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
-                            int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+// The blocks of rows mdl_gemm splits an m x n x k product into (1: one call).
+static inline int64_t mdl_gemm_nb(const MdlHooks *h, int64_t m, int64_t n, int64_t k) {
   int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
   if (nb > (m + 15) / 16)
     nb = (m + 15) / 16;
-  if (nb <= 1) {
+  return nb > 1 ? nb : 1;
+}
+
+// Block t of the nb (mdl_gemm_nb) of the product, on the calling thread.
+static inline void mdl_gemm_block(const MdlHooks *h, int64_t t, int64_t nb, int ta, int tb, int64_t m, int64_t n,
+                                  int64_t k, const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                                  float *c, int64_t ldc) {
+  const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
+  h->sgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
+}
+
+static inline void mdl_gemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const float *a,
+                            int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  const int64_t nb = mdl_gemm_nb(h, m, n, k);
+  if (nb == 1) {
     h->sgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
     return;
   }
 #pragma omp parallel for num_threads(h->nthreads) schedule(static)
-  for (int64_t t = 0; t < nb; t++) {
-    const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
-    h->sgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
-  }
+  for (int64_t t = 0; t < nb; t++)
+    mdl_gemm_block(h, t, nb, ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
 }
 
 // Sum of squares in double over fixed blocks of 4096, each block in vector lanes, the blocks added

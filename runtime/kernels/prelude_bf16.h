@@ -28,23 +28,39 @@ static inline float mdl_bf16_to_f32(uint16_t h) {
 // h->gemm_blocks blocks over the threads: blocks of columns of C (of 64 at least), since a block
 // of rows has each thread repack all of B into the library's layout (oneDNN's bf16 GEMM ran at
 // half its rate so), else blocks of rows.
+// The blocks mdl_bgemm splits an m x n x k product into (1: one call), by columns (*cols) or rows.
+static inline int64_t mdl_bgemm_nb(const MdlHooks *h, int64_t m, int64_t n, int64_t k, int *cols) {
+  const int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
+  *cols = nb > 1 && n / 64 >= nb;
+  return *cols || (nb > 1 && m / 16 >= nb) ? nb : 1;
+}
+
+// Block t of the nb (mdl_bgemm_nb) of the product, on the calling thread.
+static inline void mdl_bgemm_block(const MdlHooks *h, int64_t t, int64_t nb, int cols, int ta, int tb, int64_t m,
+                                   int64_t n, int64_t k, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb,
+                                   float beta, float *c, int64_t ldc) {
+  if (nb == 1) {
+    h->bgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+  } else if (cols) {
+    const int64_t c0 = n * t / nb / 16 * 16, c1 = t == nb - 1 ? n : n * (t + 1) / nb / 16 * 16;
+    h->bgemm(ta, tb, m, c1 - c0, k, a, lda, tb ? b + c0 * ldb : b + c0, ldb, beta, c + c0, ldc);
+  } else {
+    const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
+    h->bgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
+  }
+}
+
 static inline void mdl_bgemm(const MdlHooks *h, int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a,
                              int64_t lda, const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
-  const int64_t nb = m * n * k >= (1 << 18) ? h->gemm_blocks : 1;
-  if (nb > 1 && n / 64 >= nb) {
-#pragma omp parallel for num_threads(h->nthreads) schedule(static)
-    for (int64_t t = 0; t < nb; t++) {
-      const int64_t c0 = n * t / nb / 16 * 16, c1 = t == nb - 1 ? n : n * (t + 1) / nb / 16 * 16;
-      h->bgemm(ta, tb, m, c1 - c0, k, a, lda, tb ? b + c0 * ldb : b + c0, ldb, beta, c + c0, ldc);
-    }
-  } else if (nb > 1 && m / 16 >= nb) {
-#pragma omp parallel for num_threads(h->nthreads) schedule(static)
-    for (int64_t t = 0; t < nb; t++) {
-      const int64_t r0 = m * t / nb, r1 = m * (t + 1) / nb;
-      h->bgemm(ta, tb, r1 - r0, n, k, ta ? a + r0 : a + r0 * lda, lda, b, ldb, beta, c + r0 * ldc, ldc);
-    }
-  } else
+  int cols;
+  const int64_t nb = mdl_bgemm_nb(h, m, n, k, &cols);
+  if (nb == 1) {
     h->bgemm(ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+#pragma omp parallel for num_threads(h->nthreads) schedule(static)
+  for (int64_t t = 0; t < nb; t++)
+    mdl_bgemm_block(h, t, nb, cols, ta, tb, m, n, k, a, lda, b, ldb, beta, c, ldc);
 }
 
 // n bf16 values widened into a new f32 buffer (exact), for the f32 GEMM that computes a GEMM of

@@ -597,46 +597,80 @@ static void test_muon(void) {
        -0.208906660790536, -0.13596155535844326, 0.07710553756316443, -0.035561926240480546, 0.15655281351216968},
   };
   static const char *const opt[2] = {"muon(lr=0.02, weight_decay=0.1)", "muon(lr=0.05, momentum=0.9, nesterov=false)"};
+  // u: a third matrix of w's shape, with gradients of its own, which Muon orthogonalises in one batch
+  // with w (autodiff.c's muon_ortho); its values are checked against a model where it is alone.
   for (int c = 0; c < 2; c++) {
-    char text[512];
-    snprintf(text, sizeof text, "model mu\ninput gw: f32[3, 5]\ninput gv: f32[5, 3]\nparam w: [3, 5] = zeros\n"
-             "param v: [5, 3] = zeros\noutput loss = sum(w * gw) + sum(v * gv)\ntrain {\n optimizer = %s\n}\n", opt[c]);
-    Arena *a = arena_new();
-    Graph *mg = mdl_compile_text(a, "mu.mdl", text, NULL, 0);
-    CHECK(mg && autodiff(mg, true), "muon: the model compiles", "%s", mg ? mg->err : "front end");
-    if (!mg || !mg->updates) {
+    double alone[15];
+    for (int pass = 0; pass < 2; pass++) { // (pass 0: u alone; pass 1: w, v and u)
+      char text[640];
+      snprintf(text, sizeof text, "model mu\n%sinput gu: f32[3, 5]\n%sparam u: [3, 5] = zeros\n"
+               "output loss = %ssum(u * gu)\ntrain {\n optimizer = %s\n}\n",
+               pass ? "input gw: f32[3, 5]\ninput gv: f32[5, 3]\n" : "",
+               pass ? "param w: [3, 5] = zeros\nparam v: [5, 3] = zeros\n" : "",
+               pass ? "sum(w * gw) + sum(v * gv) + " : "", opt[c]);
+      Arena *a = arena_new();
+      Graph *mg = mdl_compile_text(a, "mu.mdl", text, NULL, 0);
+      CHECK(mg && autodiff(mg, true), "muon: the model compiles", "%s", mg ? mg->err : "front end");
+      if (!mg || !mg->updates) {
+        arena_free(a);
+        continue;
+      }
+      int np = mg->nparams, batched = 0;
+      bool all = true;
+      for (int k = 0; k < np; k++)
+        all = all && mg->nodes[mg->params[k]]->init.muon;
+      for (int i = 0; i < mg->n; i++)
+        batched += mg->nodes[i]->op == OP_MATMUL && mg->nodes[i]->shape.rank == 3 && mg->nodes[i]->shape.d[0] == 2;
+      if (pass) {
+        CHECK(all, "muon: the matrices are hidden matrices (no embedding, no LM head)", "not all");
+        CHECK(batched == 15, "muon: w and u (one shape) are orthogonalised in one batch: 15 batched products",
+              "%d batched products", batched);
+      }
+      Interp *it = interp_new(mg, INTERP_F64);
+      for (int k = 0; k < np; k++)
+        for (int i = 0; i < 15; i++)
+          interp_param(it, mg->params[k])[i] = k == np - 1 ? 0.1 * sin(0.5 * i) : 0.1 * cos(0.9 * i);
+      interp_set_scalar(it, "lr", mg->train.lr);
+      char err[256] = "";
+      bool ok = true;
+      for (int t = 1; t <= 10 && ok; t++) {
+        float gt[15], gu[15];
+        for (int i = 0; i < 15; i++) {
+          gt[i] = (float)(sin(1.3 * t + 0.37 * i * i) * (1 + 0.1 * i));
+          gu[i] = (float)(cos(0.7 * t + 0.11 * i) * (1 + 0.05 * i));
+        }
+        if (pass) {
+          interp_set_input(it, "gw", NULL, gt, 15);
+          interp_set_input(it, "gv", NULL, gt, 15);
+        }
+        interp_set_input(it, "gu", NULL, gu, 15);
+        interp_set_scalar(it, "step", t);
+        ok = interp_run(it, mg->n, err, sizeof err);
+      }
+      const double *uv = interp_param(it, mg->params[np - 1]);
+      if (!pass) {
+        memcpy(alone, uv, sizeof alone);
+      } else {
+        for (int k = 0; k < 2; k++) {
+          double worst = 0;
+          for (int i = 0; ok && i < 15; i++)
+            worst = fmax(worst, fabs(interp_param(it, mg->params[k])[i] - want[2 * c + k][i]));
+          char name[160];
+          snprintf(name, sizeof name, "%s, %s: 10 steps as Keller Jordan's Muon within 1e-12 (worst %.1e)", opt[c],
+                   k ? "5 x 3" : "3 x 5", worst);
+          CHECK(ok && worst < 1e-12, name, "%s", ok ? "differs" : err);
+        }
+        double worst = 0;
+        for (int i = 0; ok && i < 15; i++)
+          worst = fmax(worst, fabs(uv[i] - alone[i]));
+        char name[160];
+        snprintf(name, sizeof name, "%s: a matrix batched with another trains as it does alone, within 1e-12 (worst %.1e)",
+                 opt[c], worst);
+        CHECK(ok && worst < 1e-12, name, "%s", ok ? "differs" : err);
+      }
+      interp_free(it);
       arena_free(a);
-      continue;
     }
-    bool both = mg->nodes[mg->params[0]]->init.muon && mg->nodes[mg->params[1]]->init.muon;
-    CHECK(both, "muon: both matrices are hidden matrices (no embedding, no LM head)", "not both");
-    Interp *it = interp_new(mg, INTERP_F64);
-    for (int k = 0; k < 2; k++)
-      for (int i = 0; i < 15; i++)
-        interp_param(it, mg->params[k])[i] = 0.1 * cos(0.9 * i);
-    interp_set_scalar(it, "lr", mg->train.lr);
-    char err[256] = "";
-    bool ok = true;
-    for (int t = 1; t <= 10 && ok; t++) {
-      float gt[15];
-      for (int i = 0; i < 15; i++)
-        gt[i] = (float)(sin(1.3 * t + 0.37 * i * i) * (1 + 0.1 * i));
-      interp_set_input(it, "gw", NULL, gt, 15);
-      interp_set_input(it, "gv", NULL, gt, 15);
-      interp_set_scalar(it, "step", t);
-      ok = interp_run(it, mg->n, err, sizeof err);
-    }
-    for (int k = 0; k < 2; k++) {
-      double worst = 0;
-      for (int i = 0; ok && i < 15; i++)
-        worst = fmax(worst, fabs(interp_param(it, mg->params[k])[i] - want[2 * c + k][i]));
-      char name[160];
-      snprintf(name, sizeof name, "%s, %s: 10 steps as Keller Jordan's Muon within 1e-12 (worst %.1e)", opt[c],
-               k ? "5 x 3" : "3 x 5", worst);
-      CHECK(ok && worst < 1e-12, name, "%s", ok ? "differs" : err);
-    }
-    interp_free(it);
-    arena_free(a);
   }
 }
 
