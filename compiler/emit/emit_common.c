@@ -1068,27 +1068,6 @@ static const char *concat_select(EmitCore *e, int n, const char *ix, bool values
 
 const char *ec_concat_ptr(EmitCore *e, int n, const char *ix) { return concat_select(e, n, ix, false); }
 
-// The transposed copy of an fp8 operand (precision.c's fp8 TN layout: the CAST of a PERMUTE of what
-// another CAST of the same scaled tensor rounds) read from that CAST's codes, transposed, where they
-// are in memory already: the same values give the same codes and the same amax, so the copy needs
-// neither the rounding again nor the amax's notes, only the bytes moved. NULL where cast is not such
-// a copy or its twin is not in memory (yet).
-static const char *fp8_twin_codes(EmitCore *e, const IrNode *cast, const char *ix) {
-  const IrNode *p = ec_node(e, cast->in[0]);
-  if (p->op != OP_PERMUTE)
-    return NULL;
-  for (int t = cast->id - 1; t >= 0; t--) {
-    const IrNode *c = ec_node(e, t);
-    if (c->op != OP_CAST || c->in[0] != p->in[0] || c->ia[0] != cast->ia[0] || c->ia[1] != cast->ia[1] ||
-        c->dtype != cast->dtype)
-      continue;
-    if (ec_in_memory(e, t))
-      return ec_load(e, t, ec_str(e, "%s[%s]", e->base(e, t), ec_ix_permute(e, p, ec_node(e, p->in[0])->shape, ix)));
-    return NULL;
-  }
-  return NULL;
-}
-
 // An i32 CONST as a literal of its value (INT32_MIN spelled so that it is an int).
 const char *ec_ilit(EmitCore *e, double v) {
   return v == -2147483648.0 ? "(-2147483647 - 1)" : ec_str(e, "%lld", (long long)v);
@@ -1153,9 +1132,6 @@ const char *ec_pointwise_expr(EmitCore *e, int c, const char *ix) {
     if (x0->dtype == DT_I32)
       return ec_str(e, "(float)%s", x);
     if (nd->ia[0] == DT_F8E4M3 || nd->ia[0] == DT_F8E5M2) {
-      const char *twin = e->base ? fp8_twin_codes(e, nd, ix) : NULL;
-      if (twin)
-        return twin;
       if (e->fp8_cast)
         return e->fp8_cast(e, nd, x);
       ec_fail(e, "node %d: this target has no fp8", nd->id);

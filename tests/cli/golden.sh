@@ -34,3 +34,16 @@ elif cc -std=c11 -O0 -fopenmp -fPIC -Wall -Werror -c "$tmp/attn7/model.c" -o "$t
 else
   echo "[fail] golden: gpt2-tiny with 7 attention lines: the C does not compile: $(head -c 600 "$tmp/cc")"
 fi
+
+# The C of precision fp8 and of Muon (casts and amax notes, widened fp8 operands; batched
+# Newton-Schulz products), which no model in generated/ has, compiles cleanly too.
+for v in "fp8|--precision fp8" "muon|--set optimizer=muon"; do
+  what=${v%%|*}
+  if ! bin/mdlc build models/gpt2-tiny.mdl ${v#*|} -o "$tmp/$what" >/dev/null 2>"$tmp/err"; then
+    echo "[fail] golden: build gpt2-tiny ${v#*|}: $(head -c 300 "$tmp/err")"
+  elif cc -std=c11 -O0 -fopenmp -fPIC -Wall -Werror -c "$tmp/$what/model.c" -o "$tmp/$what.o" 2>"$tmp/cc"; then
+    echo "[ok] golden: gpt2-tiny ${v#*|} builds, and its C compiles cleanly"
+  else
+    echo "[fail] golden: gpt2-tiny ${v#*|}: the C does not compile cleanly: $(head -c 600 "$tmp/cc")"
+  fi
+done
