@@ -60,6 +60,7 @@ static struct {
   __typeof__(dnnl_sgemm) *sgemm;
   __typeof__(dnnl_engine_create) *engine_create;
   __typeof__(dnnl_stream_create) *stream_create;
+  __typeof__(dnnl_stream_destroy) *stream_destroy;
   __typeof__(dnnl_memory_desc_init_by_strides) *md_init;
   __typeof__(dnnl_memory_desc_get_size) *md_size;
   __typeof__(dnnl_matmul_desc_init) *matmul_init;
@@ -239,6 +240,37 @@ static _Thread_local int tl_nmem;
 static void bf16_widened_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                                const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc);
 
+// This state is released when its thread ends (a key's destructor, run while the thread's own
+// variables are still there): the runtime's own threads (rt_parallel_for, the start-up probe among
+// their callers) end before the process does.
+static pthread_once_t tl_once = PTHREAD_ONCE_INIT;
+static pthread_key_t tl_key;
+
+static void tl_release(void *unused) {
+  (void)unused;
+  for (int i = 0; i < tl_nmem; i++)
+    for (int j = 0; j < 4; j++)
+      if (tl_mem[i][j])
+        L.mem_destroy(tl_mem[i][j]);
+  free(tl_mem);
+  free(tl_scratch);
+  if (tl_stream)
+    L.stream_destroy(tl_stream);
+  tl_mem = NULL, tl_nmem = 0, tl_scratch = NULL, tl_scratch_bytes = 0, tl_stream = NULL;
+}
+
+static void tl_key_make(void) { pthread_key_create(&tl_key, tl_release); }
+
+// Marks this thread's state for release at its end, once.
+static void tl_hold(void) {
+  static _Thread_local bool held;
+  if (held)
+    return;
+  held = true;
+  pthread_once(&tl_once, tl_key_make);
+  pthread_setspecific(tl_key, &held);
+}
+
 // This thread's memory objects for mm, pointed at a, b, c and the scratchpad; NULL when oneDNN fails.
 static dnnl_memory_t *memories(const Matmul *mm, const void *a, const void *b, void *c) {
   if (mm->id >= tl_nmem) {
@@ -267,6 +299,7 @@ static void onednn_bgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const 
                          const uint16_t *b, int64_t ldb, float beta, float *c, int64_t ldc) {
   rt_signal_stack();
   const Matmul *mm = matmul_for(ta, tb, m, n, k, lda, ldb, ldc, beta);
+  tl_hold();
   if (!tl_stream && L.stream_create(&tl_stream, L.engine, dnnl_stream_default_flags) != dnnl_success)
     tl_stream = NULL;
   if (mm && mm->scratch > tl_scratch_bytes) {
@@ -299,7 +332,8 @@ static bool onednn_load(char *why, size_t n) {
     cxa_globals();
 #define SYM(field, name) (*(void **)&L.field = dlsym(so, #name)) != NULL
   bool ok = SYM(sgemm, dnnl_sgemm) && SYM(engine_create, dnnl_engine_create) &&
-            SYM(stream_create, dnnl_stream_create) && SYM(md_init, dnnl_memory_desc_init_by_strides) &&
+            SYM(stream_create, dnnl_stream_create) && SYM(stream_destroy, dnnl_stream_destroy) &&
+            SYM(md_init, dnnl_memory_desc_init_by_strides) &&
             SYM(md_size, dnnl_memory_desc_get_size) && SYM(matmul_init, dnnl_matmul_desc_init) &&
             SYM(attr_create, dnnl_primitive_attr_create) && SYM(attr_destroy, dnnl_primitive_attr_destroy) &&
             SYM(attr_scratchpad, dnnl_primitive_attr_set_scratchpad_mode) &&
