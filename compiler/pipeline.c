@@ -174,6 +174,10 @@ bool pipeline(Arena *a, const PipelineOptions *o, Compilation *c) {
     diag_file_error(o->file, "no 'output loss = ...': nothing to train");
     return false;
   }
+  if (backward && g->nparams == 0) { // (at the loss, which nothing it reads can lower)
+    diag_error(g->nodes[g->loss]->loc, "the model has no 'param': the loss has nothing to train");
+    return false;
+  }
   if (backward && !autodiff(g, o->kind == GRAPH_TRAIN)) {
     diag_file_error(o->file, "autodiff: %s", g->err);
     return false;

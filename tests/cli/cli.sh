@@ -404,3 +404,12 @@ expect "MDL_MARCH=bogus is refused" 1 env MDL_MARCH=bogus MDL_CACHE="$tmp/mcache
   --data "$tmp/mblobs" --steps 1 --backend cpu --out "$tmp/march-bogus"
 grep -q "MDL_MARCH=bogus: want x86-64, x86-64-v2, x86-64-v3, x86-64-v4 or native" "$tmp/err" &&
   echo "[ok] cli: MDL_MARCH=bogus names the choices" || echo "[fail] cli: MDL_MARCH=bogus: $(head -c 300 "$tmp/err")"
+
+# A model without params has nothing to train: build says so at the loss, file:line:col, and fails.
+printf 'model m\ninput x: f32[4]\noutput loss = sum(x)\n' >"$tmp/noparams.mdl"
+if $m build "$tmp/noparams.mdl" -o "$tmp/noparams" >"$tmp/noparams.out" 2>&1; then
+  echo "[fail] cli: a model without params builds"
+else
+  contains "a model without params is an error at its loss" "$tmp/noparams.out" \
+    "noparams.mdl:3:15: error: the model has no 'param': the loss has nothing to train"
+fi
