@@ -154,8 +154,9 @@ static Rows c_widened_fp8(Emit *e, Rows r, int64_t t, bool b16, int *wide, int *
 }
 
 
-// GEMM g (or one per batch) through fn (mdl_gemm or mdl_bgemm) into buffer c.
-static void gemm_call(Emit *e, const char *fn, const EwGemm *g, Rows a, Rows b, int c) {
+// GEMM g (or one per batch) through mdl_bgemm (b16: operands of bf16 bits) or mdl_gemm into buffer c.
+static void gemm_call(Emit *e, bool b16, const EwGemm *g, Rows a, Rows b, int c) {
+  const char *fn = b16 ? "mdl_bgemm" : "mdl_gemm";
   long long m = g->m, n = g->n, k = g->k;
   if (g->batches == 1) {
     ec_line(&e->core, "%s(h, %d, %d, %lld, %lld, %lld, %s, %lld, %s, %lld, 0.0f, b%d, %lld);", fn, g->ta, g->tb, m, n,
@@ -166,7 +167,6 @@ static void gemm_call(Emit *e, const char *fn, const EwGemm *g, Rows a, Rows b, 
   // product alone would split it into (mdl_bgemm_nb, mdl_gemm_nb), so the values are those of a call
   // per batch, and the threads wake once instead of once a batch (Muon's Newton-Schulz products of
   // the matrices of one shape, autodiff.c: small, and many).
-  bool b16 = !strcmp(fn, "mdl_bgemm");
   Shape ob = g->so, ab = g->sa, bb = g->sb;
   ob.rank -= 2, ab.rank -= 2, bb.rank -= 2;
   ec_enter(&e->core, "%s", "");
@@ -226,14 +226,14 @@ static void emit_gemm(EmitCore *core, int gi) {
          g.batches > 1 ? c_str(e, ", %lld batches", (long long)g.batches) : "", nq ? ", epilogue after" : "");
   if (bf16) {
     ec_enter(&e->core, "if (h->bgemm)");
-    gemm_call(e, "mdl_bgemm", &g, a, b, c);
+    gemm_call(e, true, &g, a, b, c);
     ec_leave(&e->core);
     ec_enter(&e->core, "else");
   } else if (fp8) { // (the codes' values are bf16 values, so the bf16 GEMM's products are the f32 ones)
     ec_enter(&e->core, "if (h->bgemm)");
     Rows a16 = c_widened_fp8(e, a, g.nd->ia[2], true, wide, &nwide);
     Rows b16 = c_widened_fp8(e, b, g.nd->ia[3], true, wide, &nwide);
-    gemm_call(e, "mdl_bgemm", &g, a16, b16, c);
+    gemm_call(e, true, &g, a16, b16, c);
     c_free_widened(e, wide, nwide);
     nwide = 0;
     ec_leave(&e->core);
@@ -247,7 +247,7 @@ static void emit_gemm(EmitCore *core, int gi) {
     a = c_widened_fp8(e, a, g.nd->ia[2], false, wide, &nwide);
     b = c_widened_fp8(e, b, g.nd->ia[3], false, wide, &nwide);
   }
-  gemm_call(e, "mdl_gemm", &g, a, b, c);
+  gemm_call(e, false, &g, a, b, c);
   if (bf16 || mixed || fp8) {
     c_free_widened(e, wide, nwide);
     ec_leave(&e->core);
